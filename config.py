@@ -1,0 +1,368 @@
+"""Every setting of the project, in one flat dataclass, plus run-file loading and pre-flight checks.
+
+A run file in config/ is plain Python that assigns names, e.g. `group_size = 16`. It is loaded
+first, then `--key=value` overrides from the command line; both are checked against the fields
+below (unknown names fail and suggest the closest one; values are parsed to the default's type).
+
+    python config.py --config config/countdown_3b.py --lr=1e-6   # print the final config + pre-flight
+"""
+
+import ast
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Config:
+    # ---- run ----
+    model: str = "tiny"  # HF hub name or local folder; "tiny" = a tiny random model for tests (SHAPES["tiny"])
+    out_dir: str = "out"  # metrics, samples and checkpoints go here
+    seed: int = 1337  # one seed for data order, sampling and init (D3)
+    max_steps: int = 200  # optimizer steps; also the length of the LR schedule (O1)
+
+    # ---- batch (R3, O3) ----
+    group_size: int = 8  # R3: G completions per prompt (TRL num_generations, verl rollout.n); >= 2, warn < 4
+    batch_size: int = 64  # R3: completions per optimizer step = prompts per step x group_size; must divide
+    max_prompt_len: int = 256  # prompt tokens; longer prompts are an error, not silently cut
+    max_completion_len: int = 1024  # R6: sampled tokens per completion (TRL max_completion_length)
+    micro_batch_tokens: int = 8192  # O3: token budget (prompt + completion) of one micro-batch (verl ppo_max_token_len_per_gpu)
+
+    # ---- sampling (R1, R4, R5) ----
+    temperature: float = 1.0  # R4/R5: sampling temperature; the trainer divides logits by the same value
+    top_p: float = 1.0  # R4: nucleus sampling; 1.0 = off
+    top_k: int = -1  # R4: top-k sampling; -1 = off
+    gpu_memory_utilization: float = 0.4  # R1: share of the GPU the colocated vLLM engine takes (0.3-0.5)
+
+    # ---- advantages (A1-A3) ----
+    adv_scale: str = "group"  # A1: "group" divides by the group std (z-score); "none" = mean-only (Dr. GRPO)
+    adv_std_floor: float = 1e-4  # A2: the std is floored at this before dividing
+    adv_zero_std_groups: bool = False  # A2: True = groups with std < adv_std_floor get advantage 0 (003)
+    adv_clip: float = 0.0  # A3: clamp advantages to +-adv_clip after normalising; 0 = off (5 binary, 3 continuous)
+
+    # ---- loss (L1-L8) ----
+    clip_eps: float = 0.2  # L1: PPO clip range 1 +- eps (TRL epsilon, verl clip_ratio)
+    clip_eps_high: float = 0.0  # L1: upper clip 1 + eps_high (DAPO clip-higher, e.g. 0.28); 0 = same as clip_eps
+    loss_agg: str = "token-mean"  # L2: "token-mean" | "seq-mean" (paper) | "dr-grpo" (sum / (seqs x max_completion_len))
+    ratio_level: str = "token"  # L8: "token" | "sequence" (GSPO; use clip_eps ~3e-4 and seq-mean with it)
+    beta: float = 0.0  # L4: weight of the k3 KL to the reference; 0 = no reference model at all
+    entropy_coef: float = 0.0  # L5: entropy bonus 1e-4..1e-3; 0 = off (verl entropy_coeff)
+    num_iterations: int = 1  # L7: update epochs over one batch; 1 = on-policy (TRL num_iterations, verl ppo_epochs)
+
+    # ---- adaptive KL (F2) ----
+    adaptive_kl: bool = False  # F2: every kl_window steps scale beta by the mean token KL; False = fixed beta
+    kl_window: int = 20  # F2: steps between beta updates
+    kl_high: float = 0.08  # F2: mean KL above this multiplies beta by kl_up
+    kl_low: float = 0.01  # F2: mean KL below this multiplies beta by kl_down
+    kl_up: float = 1.2  # F2
+    kl_down: float = 0.8  # F2
+
+    # ---- optimisation (O1, O2, O5) ----
+    lr: float = 1e-6  # O1: peak AdamW learning rate (5e-7..1e-6 for 3B full fine-tuning)
+    warmup_steps: int = 20  # O1: linear warm-up steps, then cosine decay to lr x min_lr_ratio
+    min_lr_ratio: float = 0.1  # O1: floor of the cosine, as a share of lr; 1.0 = constant after warm-up
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: tuple = (0.9, 0.99)  # AdamW betas
+    grad_clip: float = 1.0  # O2: clip the global grad norm to this; 0 = off
+    dtype: str = "bfloat16"  # O5: compute dtype ("bfloat16" | "float32"); logprobs and loss stay fp32 (L6)
+    gradient_checkpointing: bool = False  # O5: recompute activations in backward; trades ~30% time for memory
+    lora_rank: int = 0  # O5: LoRA rank through peft; 0 = full fine-tuning
+
+    # ---- pre-flight (O6) ----
+    device_memory_gb: float = 0.0  # O6: GPU memory to plan against; 0 = read it from the device
+
+    # ---- derived: computed by derive(), never set by hand ----
+    prompts_per_step: int = field(default=0, init=False)  # batch_size // group_size
+    clip_eps_high_eff: float = field(default=0.0, init=False)  # clip_eps_high, or clip_eps when that is 0
+
+
+DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
+CHOICES = {
+    "adv_scale": ("group", "none"),
+    "loss_agg": ("token-mean", "seq-mean", "dr-grpo"),
+    "ratio_level": ("token", "sequence"),
+    "dtype": ("bfloat16", "float32"),
+}
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says what to change."""
+
+
+def derive(cfg):
+    """Compute the derived values, once, right after loading."""
+    cfg.prompts_per_step = cfg.batch_size // cfg.group_size
+    cfg.clip_eps_high_eff = cfg.clip_eps_high or cfg.clip_eps
+    return cfg
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _closest(name):
+    names = [f.name for f in dataclasses.fields(Config) if f.init]
+    match = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _coerce(name, value, default):
+    """Check a value from a run file against the default's type; ints may stand for floats."""
+    want = type(default)
+    if want is float and type(value) is int:
+        return float(value)
+    if want is tuple and isinstance(value, list):
+        value = tuple(value)
+    if type(value) is not want:
+        raise ConfigError(f"{name} must be {want.__name__} (default {default!r}), got {value!r}")
+    if want is tuple and len(value) != len(default):
+        raise ConfigError(f"{name} must have {len(default)} items like {default!r}, got {value!r}")
+    return value
+
+
+def parse_value(name, text, default):
+    """Parse a command-line string to the type of the field's default."""
+    want = type(default)
+    try:
+        if want is bool:
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return lowered in ("true", "1", "yes")
+        if want is int:
+            return int(text)
+        if want is float:
+            return float(text)
+        if want is tuple:
+            value = ast.literal_eval(text if text.strip().startswith("(") else f"({text},)")
+            return _coerce(name, tuple(value), default)
+        return text
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"--{name}={text}: cannot parse as {want.__name__} (default {default!r})") from None
+
+
+def _check_name(name, where):
+    if name in DERIVED:
+        raise ConfigError(f"{where}: '{name}' is derived from other settings and cannot be set")
+    if name not in Config.__dataclass_fields__:
+        raise ConfigError(f"{where}: unknown setting '{name}'.{_closest(name)}")
+
+
+def load_config(path=None, overrides=()):
+    """Defaults <- run file at `path` <- `--key=value` overrides; returns a derived, validated Config."""
+    cfg = Config()
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"run file {path} not found (run files live in config/, e.g. config/tiny.py)")
+        scope = {}
+        with open(path) as f:
+            exec(compile(f.read(), path, "exec"), scope)  # a run file is trusted Python, like nanoGPT's
+        for name, value in scope.items():
+            if name.startswith("_") or type(value).__name__ == "module":
+                continue
+            _check_name(name, path)
+            setattr(cfg, name, _coerce(name, value, getattr(Config(), name)))
+    for arg in overrides:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"override '{arg}' must look like --key=value")
+        name, text = arg[2:].split("=", 1)
+        _check_name(name, "command line")
+        value = parse_value(name, text, getattr(Config(), name))
+        print(f"override: {name} = {value!r}")
+        setattr(cfg, name, value)
+    return validate(derive(cfg))
+
+
+def config_from_argv(argv):
+    """`--config FILE` (or `--config=FILE`) plus `--key=value` overrides, as grpo.py takes them."""
+    argv, path = list(argv), None
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a run file, e.g. --config config/tiny.py")
+            path = argv[i + 1]
+            del argv[i : i + 2]
+            break
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+            del argv[i]
+            break
+    return load_config(path, argv)
+
+
+def save_config(cfg, path):
+    """Write the final config as JSON (beside metrics and in every checkpoint)."""
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+
+
+# ---------------------------------------------------------------- pre-flight (O6)
+
+
+def validate(cfg):
+    """Settings that cannot work: fail before any model loads, saying what to change (O6)."""
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{name}={getattr(cfg, name)!r}; choose one of {allowed}")
+    if cfg.group_size < 2:
+        raise ConfigError(
+            f"group_size={cfg.group_size}: GRPO needs >= 2 completions per prompt to form a baseline (R3)"
+        )
+    if cfg.group_size < 4:
+        warnings.warn(f"group_size={cfg.group_size} < 4: group baselines are very noisy; 8 is usual (R3)")
+    if cfg.batch_size % cfg.group_size:
+        lower = cfg.batch_size // cfg.group_size * cfg.group_size
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} is not divisible by group_size={cfg.group_size}; "
+            f"use batch_size={lower or cfg.group_size} or {lower + cfg.group_size}"
+        )
+    if not 0 < cfg.clip_eps < 1:
+        raise ConfigError(f"clip_eps={cfg.clip_eps} must be in (0, 1); 0.2 is standard (L1)")
+    if cfg.clip_eps_high and not cfg.clip_eps <= cfg.clip_eps_high < 10:
+        raise ConfigError(f"clip_eps_high={cfg.clip_eps_high} must be >= clip_eps={cfg.clip_eps} (or 0 = same)")
+    if cfg.beta < 0 or cfg.beta > 1:
+        raise ConfigError(f"beta={cfg.beta} must be in [0, 1]; 0.001-0.04 is usual, 0 drops the reference (L4)")
+    if cfg.adaptive_kl and cfg.beta == 0:
+        raise ConfigError("adaptive_kl=True scales beta, but beta=0; set beta > 0 (e.g. 0.001) or adaptive_kl=False")
+    if cfg.kl_low >= cfg.kl_high:
+        raise ConfigError(f"kl_low={cfg.kl_low} must be below kl_high={cfg.kl_high} (F2)")
+    for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations", "kl_window"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
+    for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay", "grad_clip", "lora_rank"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
+    if cfg.lr <= 0:
+        raise ConfigError(f"lr={cfg.lr} must be > 0")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ConfigError(f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
+    if not 0 < cfg.gpu_memory_utilization < 1:
+        raise ConfigError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1); 0.3-0.5 (R1)")
+    if not 0 < cfg.temperature or not 0 < cfg.top_p <= 1:
+        raise ConfigError(f"temperature={cfg.temperature} must be > 0 and top_p={cfg.top_p} in (0, 1]")
+    longest = cfg.max_prompt_len + cfg.max_completion_len
+    if cfg.micro_batch_tokens < longest:
+        raise ConfigError(
+            f"micro_batch_tokens={cfg.micro_batch_tokens} cannot hold one prompt plus its longest completion "
+            f"({cfg.max_prompt_len} + {cfg.max_completion_len} = {longest}); raise micro_batch_tokens to >= {longest} "
+            f"or lower max_completion_len"
+        )
+    return cfg
+
+
+# Shapes of the models the shipped run files use, so pre-flight needs no download.
+# Any other model is read from its local config.json (or, if transformers can reach it, the hub).
+SHAPES = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-3B-Instruct": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                                     num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                                     tie_word_embeddings=True),
+}
+
+
+def model_shape(name):
+    """The few config.json fields the memory estimate needs, or None if they cannot be read offline."""
+    if name in SHAPES:
+        return SHAPES[name]
+    if os.path.isfile(os.path.join(name, "config.json")):
+        with open(os.path.join(name, "config.json")) as f:
+            return json.load(f)
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name).to_dict()
+    except Exception:  # offline, no transformers, or a typo: the estimate is skipped, the load will say more
+        return None
+
+
+def count_params(shape):
+    """Parameters of a Llama/Qwen-style decoder from its shape (biases and norms are noise here)."""
+    h, layers, v = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    kv = h * shape.get("num_key_value_heads", shape["num_attention_heads"]) // shape["num_attention_heads"]
+    attn = 2 * h * h + 2 * h * kv  # q, o: h x h; k, v: h x kv (grouped-query attention)
+    mlp = 3 * h * shape["intermediate_size"]  # gate, up, down
+    embed = v * h * (1 if shape.get("tie_word_embeddings", False) else 2)
+    return layers * (attn + mlp) + embed
+
+
+def estimate_memory(cfg, shape):
+    """GiB per phase on one GPU: the trainer's resident state, what an update adds, and the vLLM share.
+
+    Weights stay fp32 (master copy) and compute runs in cfg.dtype under autocast: with a lr of 1e-6
+    a bf16 weight would round most updates away. AdamW keeps two fp32 moments per trained param.
+    Activations per token per layer ~34 x hidden bytes at 16 bits (Korthikanti et al. 2022, flash
+    attention), or 2 x hidden with gradient checkpointing plus one layer recomputed. These are
+    estimates to catch impossible settings, not a promise.
+    """
+    gib = 2**30
+    n = count_params(shape)
+    h, layers, v = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    act_bytes = 2 if cfg.dtype == "bfloat16" else 4
+    trained = n if cfg.lora_rank == 0 else 2 * cfg.lora_rank * h * 7 * layers  # LoRA on the 7 linear layers
+    weight_bytes = 4 if cfg.lora_rank == 0 else act_bytes  # a frozen LoRA base needs no fp32 master
+    out = {"weights": weight_bytes * n / gib, "optimizer": 8 * trained / gib, "grads": 4 * trained / gib}
+    per_layer = 2 * h if cfg.gradient_checkpointing else 17 * h  # 17 x hidden elements at 2 bytes = 34 h bytes
+    recompute = 17 * h * cfg.micro_batch_tokens if cfg.gradient_checkpointing else 0
+    logits = cfg.micro_batch_tokens * v * (2 * act_bytes)  # logits and their grad; fp32 only per chunk (L6)
+    out["activations"] = (act_bytes * (per_layer * layers * cfg.micro_batch_tokens + recompute) + logits) / gib
+    if cfg.beta > 0 and cfg.lora_rank == 0:
+        out["reference"] = act_bytes * n / gib  # a frozen copy in compute dtype (can be offloaded, F1)
+    return out
+
+
+def device_memory_gib(cfg):
+    """Total memory of the GPU to plan against, or None on a CPU-only machine."""
+    if cfg.device_memory_gb:
+        return cfg.device_memory_gb
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / 2**30
+    except ImportError:
+        pass
+    return None
+
+
+def preflight(cfg):
+    """O6: print the memory estimate and fail if one update or the vLLM share cannot fit."""
+    shape = model_shape(cfg.model)
+    if shape is None:
+        print(f"pre-flight: cannot read {cfg.model}'s config.json offline; memory estimate skipped")
+        return None
+    est = estimate_memory(cfg, shape)
+    total = device_memory_gib(cfg)
+    resident = est["weights"] + est["optimizer"] + est.get("reference", 0.0)
+    update = resident + est["grads"] + est["activations"]
+    print("pre-flight memory estimate (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in est.items()))
+    if total is None:
+        print(f"pre-flight: update peak ~{update:.2f} GiB; no GPU here, so no fit check")
+        return est
+    vllm = cfg.gpu_memory_utilization * total
+    print(f"pre-flight: device {total:.1f} GiB | update peak {update:.1f} | vLLM share {vllm:.1f} + resident {resident:.1f}")
+    if update > 0.95 * total:
+        fixes = [f"lower micro_batch_tokens (now {cfg.micro_batch_tokens})"]
+        fixes += [] if cfg.gradient_checkpointing else ["set gradient_checkpointing=True"]
+        fixes += [] if cfg.lora_rank else ["set lora_rank=16"]
+        raise ConfigError(f"one update needs ~{update:.1f} GiB of {total:.1f}: " + " or ".join(fixes))
+    if vllm + resident > 0.95 * total:
+        raise ConfigError(
+            f"the vLLM share ({vllm:.1f} GiB) and the trainer's resident weights and optimizer "
+            f"({resident:.1f} GiB) exceed {total:.1f} GiB: lower gpu_memory_utilization or use lora_rank > 0"
+        )
+    return est
+
+
+if __name__ == "__main__":
+    try:
+        cfg = config_from_argv(sys.argv[1:])
+        for f in dataclasses.fields(cfg):
+            print(f"{f.name:24s} = {getattr(cfg, f.name)!r}")
+        preflight(cfg)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    print("pre-flight ok")

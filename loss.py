@@ -1,0 +1,217 @@
+"""The GRPO objective (SPEC L1-L8, F2, O1): token logprobs, the clipped surrogate, KL, schedules.
+
+Per response token t of completion i, with r = pi_new(t) / pi_old(t) and A_i the group advantage:
+
+    loss_t = -min(r * A_i, clip(r, 1 - eps, 1 + eps_high) * A_i)   # L1, PPO's clipped surrogate
+             + beta * k3(pi_ref || pi_new)                        # L4, KL to the reference
+             - entropy_coef * H_t                                 # L5, entropy bonus
+
+then averaged over the response tokens of the whole batch (L2). Everything here is pure:
+tensors in, a loss and a dict of floats out.
+"""
+
+import math
+
+import torch
+
+
+# ---------------------------------------------------------------- token logprobs (L6, R5)
+
+
+class _LogprobsEntropy(torch.autograd.Function):
+    """log p(token) and entropy per position from logits, chunk by chunk in fp32.
+
+    A plain `log_softmax(logits.float())` keeps a full (B, T, V) fp32 copy alive for backward:
+    at V = 152k, 8k tokens that is 5 GB. Here forward keeps only the logits (which the model holds
+    anyway) and two (B, T) fp32 tensors; backward recomputes softmax one chunk at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, chunk):
+        ctx.set_materialize_grads(False)
+        B, T, _ = logits.shape
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 under gradcheck
+        logp = logits.new_empty(B, T, dtype=dtype)
+        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        for b, s in _chunks(B, T, chunk):
+            z = logits[b, s].to(dtype) / temperature  # (c, V): the only fp32 copy, one chunk at a time
+            lse[b, s] = torch.logsumexp(z, dim=-1)
+            logp[b, s] = z.gather(-1, tokens[b, s, None]).squeeze(-1) - lse[b, s]
+            p = torch.exp(z - lse[b, s, None])
+            entropy[b, s] = lse[b, s] - (p * z).sum(-1)  # H = -sum p log p = lse - sum p z
+        ctx.save_for_backward(logits, tokens, lse, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, tokens, lse, entropy = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        for b, s in _chunks(logits.shape[0], logits.shape[1], ctx.chunk):
+            z = logits[b, s].to(lse.dtype) / ctx.temperature  # (c, V)
+            log_p = z - lse[b, s, None]
+            p = torch.exp(log_p)
+            g = torch.zeros_like(z)
+            if grad_logp is not None:  # d log p_k / dz = onehot(k) - p
+                g -= p * grad_logp[b, s, None]
+                g.scatter_add_(-1, tokens[b, s, None], grad_logp[b, s, None])
+            if grad_entropy is not None:  # dH / dz = -p * (log p + H)
+                g -= grad_entropy[b, s, None] * p * (log_p + entropy[b, s, None])
+            grad[b, s] = (g / ctx.temperature).to(grad.dtype)
+        return grad, None, None, None
+
+
+def _chunks(B, T, chunk):
+    """(row, time-slice) pairs covering a (B, T) grid, at most `chunk` positions each."""
+    return [(b, slice(t, t + chunk)) for b in range(B) for t in range(0, T, chunk)]
+
+
+def logprobs_and_entropy(logits, tokens, temperature=1.0, chunk=1024):
+    """Log-probability of each token and the entropy of each position, in fp32 (L6).
+
+    logits: (B, T, V) any float dtype; logits[:, t] is the distribution that produced tokens[:, t]
+            (so a caller passes model logits[:, :-1] with input_ids[:, 1:]). Non-contiguous is fine.
+    tokens: (B, T) long.
+    temperature: the sampler's temperature; both sides of the ratio use logits / temperature (R5).
+    Returns (logprobs, entropy), each (B, T) fp32 (fp64 for fp64 logits), both differentiable.
+
+    Example: logits [[[0, ln 3]]] (one position, two tokens), tokens [[1]] -> logprob ln(3/4).
+    """
+    return _LogprobsEntropy.apply(logits, tokens, float(temperature), chunk)
+
+
+def token_logprobs(logits, tokens, temperature=1.0):
+    """(B, T, V) logits and (B, T) tokens -> (B, T) fp32 log p(token); see logprobs_and_entropy."""
+    return logprobs_and_entropy(logits, tokens, temperature)[0]
+
+
+# ---------------------------------------------------------------- the loss (L1-L5, L8)
+
+
+def grpo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    ref_logprobs=None,
+    beta=0.0,
+    clip_eps=0.2,
+    clip_eps_high=None,
+    agg="token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    max_len=None,
+    entropy=None,
+    entropy_coef=0.0,
+    ratio_level="token",
+):
+    """Clipped-surrogate GRPO loss of one (micro-)batch and its metrics.
+
+    logprobs:     (B, T) fp32, current policy, with grad.
+    old_logprobs: (B, T) the sampling policy's logprobs; detached here whatever the caller passes.
+    advantages:   (B,) one per completion (advantage.group_advantages).
+    mask:         (B, T) 1 on response tokens, 0 on padding (L3); masked values may be anything, even -inf.
+    ref_logprobs: (B, T) reference policy, or None. beta weighs the k3 KL to it (L4).
+    clip_eps, clip_eps_high: ratio clipped to [1 - clip_eps, 1 + clip_eps_high]; None/0 = symmetric (L1).
+    agg (L2): "token-mean": sum over tokens / num_tokens (all response tokens of the *whole* batch,
+                  so micro-batch losses add up to the full-batch loss; defaults to this mask's count).
+              "seq-mean": mean over each sequence's tokens, then sum / num_seqs (the GRPO paper).
+              "dr-grpo": sum over tokens / (num_seqs * max_len), a constant (Dr. GRPO).
+              num_seqs defaults to B and max_len to T, i.e. the micro-batch is the whole batch.
+    entropy:      (B, T) with grad, needed when entropy_coef > 0 (L5); also logged when given.
+    ratio_level:  "token" (GRPO) or "sequence" (GSPO, L8: one ratio per completion, the geometric
+                  mean of its token ratios, exp(mean_t log r_t)).
+    Returns (loss, metrics): a scalar tensor and a dict of floats over this micro-batch's tokens.
+
+    Example: one token, logprob = old, A = 2 -> r = 1, loss = -2 with token-mean.
+    """
+    mask = mask.bool()
+    eps_high = clip_eps_high or clip_eps
+    adv = advantages.to(logprobs.dtype)[:, None]  # (B, 1): one advantage for all tokens of a completion
+    # Masked positions are zeroed *before* exp, so padding values (even -inf) cannot make a NaN.
+    # The ratio is new / old policy. (002's loss divides by the reference instead: wrong.)
+    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
+    if ratio_level == "sequence":
+        seq_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)  # (B,) log of the geometric mean
+        log_ratio = torch.where(mask, seq_log_ratio[:, None].expand_as(log_ratio), 0.0)
+    elif ratio_level != "token":
+        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, T); zero grad on the clipped side
+
+    kl = None
+    if ref_logprobs is not None:
+        # k3 estimator of KL(pi_new || pi_ref) = E[exp(d) - d - 1], d = log pi_ref - log pi_new >= 0.
+        # (002 flips the sign of d; with the flipped sign the penalty pushes away from the reference.)
+        d = torch.where(mask, ref_logprobs.detach() - logprobs, 0.0)
+        kl = torch.exp(d) - d - 1  # (B, T)
+        per_token = per_token + beta * kl
+    if entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the entropy tensor (logprobs_and_entropy)")
+        per_token = per_token - entropy_coef * entropy  # L5: a bonus, so it lowers the loss
+    per_token = torch.where(mask, per_token, 0.0)
+
+    B, T = mask.shape
+    if agg == "token-mean":
+        loss = per_token.sum() / max(num_tokens if num_tokens is not None else mask.sum().item(), 1)
+    elif agg == "seq-mean":
+        loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / (num_seqs or B)
+    elif agg == "dr-grpo":
+        loss = per_token.sum() / ((num_seqs or B) * (max_len or T))
+    else:
+        raise ValueError(f"agg must be 'token-mean', 'seq-mean' or 'dr-grpo', got {agg!r}")
+    return loss, _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy)
+
+
+@torch.no_grad()
+def _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy):
+    """Token means over the mask (0.0 for an empty mask) and the token count, to weight them."""
+    n = mask.sum().item()
+
+    def mean(x):
+        return (torch.where(mask, x.float(), 0.0).sum().item() / n) if n else 0.0
+
+    out = {
+        "clip_frac_low": mean((ratio < 1 - clip_eps) & (adv < 0)),  # clipped and the clip is active
+        "clip_frac_high": mean((ratio > 1 + eps_high) & (adv > 0)),
+        "approx_kl_old": mean(ratio - 1 - log_ratio),  # k3 KL(old || new): how far the update moved
+        "ratio": mean(ratio),
+        "num_tokens": n,
+    }
+    if kl is not None:
+        out["kl"] = mean(kl)
+    if entropy is not None:
+        out["entropy"] = mean(entropy)
+    return out
+
+
+# ---------------------------------------------------------------- adaptive KL (F2) and LR (O1)
+
+
+def adaptive_kl_beta(beta, mean_kl, *, high=0.08, low=0.01, up=1.2, down=0.8):
+    """F2: the next beta from the mean token KL of the last window of steps.
+
+    KL above `high` -> beta * up (pull back to the reference); below `low` -> beta * down.
+    Example: adaptive_kl_beta(0.01, 0.1) -> 0.012.
+    """
+    if mean_kl > high:
+        return beta * up
+    if mean_kl < low:
+        return beta * down
+    return beta
+
+
+def lr_at(step, *, lr, warmup_steps, max_steps, min_lr_ratio=0.1):
+    """O1: linear warm-up over `warmup_steps`, then cosine from lr down to lr * min_lr_ratio.
+
+    step counts from 0. Example: lr=1, warmup 10, max 110 -> step 0: 0.1, step 9: 1.0,
+    step 60: 0.55 (halfway down the cosine), step 110: 0.1.
+    """
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    floor = lr * min_lr_ratio
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - floor)

@@ -1,0 +1,123 @@
+"""Group advantages against hand-worked numbers and a naive loop.   pytest tests/test_advantage.py"""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from advantage import group_advantages, group_stats
+
+
+def naive_advantages(rewards, G, scale="group", std_floor=1e-4, zero_std_groups=False, clip=0.0):
+    """One group, one completion at a time, in plain Python."""
+    out = []
+    for start in range(0, len(rewards), G):
+        group = rewards[start : start + G]
+        mean = sum(group) / G
+        std = statistics.stdev(group)  # Bessel-corrected
+        for r in group:
+            a = r - mean
+            if scale == "group":
+                a = a / max(std, std_floor)
+            if zero_std_groups and std < std_floor:
+                a = 0.0
+            if clip > 0:
+                a = min(max(a, -clip), clip)
+            out.append(a)
+    return out
+
+
+def test_one_success_in_four():
+    # mean 0.25; unbiased var = (0.75^2 + 3 * 0.25^2) / 3 = 0.25, std 0.5
+    adv = group_advantages(torch.tensor([1.0, 0, 0, 0]), 4)
+    assert adv.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])
+
+
+def test_mean_only_scale():
+    adv = group_advantages(torch.tensor([1.0, 0, 0, 0]), 4, scale="none")
+    assert adv.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
+
+
+def test_groups_are_independent_and_equal_groups_give_zero():
+    adv = group_advantages(torch.tensor([1.0, 1, 1, 1, 0, 0, 2, 2]), 4)
+    assert adv[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+    # second group: mean 1, unbiased std sqrt(4/3)
+    assert adv[4:].tolist() == pytest.approx([-math.sqrt(3 / 4)] * 2 + [math.sqrt(3 / 4)] * 2)
+
+
+def test_std_floor_and_zero_std_groups():
+    # rewards 1e-6 apart: std 7.07e-7 is floored to 1e-4, so advantages are +-5e-7 / 1e-4 = +-0.005
+    rewards = torch.tensor([0.0, 1e-6])
+    assert group_advantages(rewards, 2).tolist() == pytest.approx([-0.005, 0.005], rel=1e-4)
+    assert group_advantages(rewards, 2, zero_std_groups=True).tolist() == [0.0, 0.0]
+    # a group with real spread is untouched by zero_std_groups
+    assert group_advantages(torch.tensor([0.0, 1.0]), 2, zero_std_groups=True).tolist() == pytest.approx(
+        [-1 / math.sqrt(2), 1 / math.sqrt(2)]
+    )
+
+
+def test_clip_after_normalising():
+    # one success in 16: mean 1/16, unbiased std 0.25 -> winner (15/16) / 0.25 = 3.75, others -0.25
+    rewards = torch.zeros(16)
+    rewards[3] = 1.0
+    assert group_advantages(rewards, 16)[3].item() == pytest.approx(3.75)
+    clipped = group_advantages(rewards, 16, clip=3.0)
+    assert clipped[3].item() == pytest.approx(3.0)
+    assert clipped[0].item() == pytest.approx(-0.25)
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+@pytest.mark.parametrize("zero_std_groups", [False, True])
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_matches_naive_loop(scale, zero_std_groups, clip):
+    torch.manual_seed(0)
+    G = 6
+    rewards = torch.rand(10 * G, dtype=torch.float64).round(decimals=1)
+    rewards[:G] = 0.5  # an all-equal group
+    rewards[G : 2 * G] = 0.5 + torch.arange(G) * 1e-6  # a nearly-equal group
+    got = group_advantages(rewards, G, scale=scale, zero_std_groups=zero_std_groups, clip=clip)
+    want = naive_advantages(rewards.tolist(), G, scale, 1e-4, zero_std_groups, clip)
+    assert got.tolist() == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_advantages_sum_to_zero_per_group(scale):
+    torch.manual_seed(1)
+    adv = group_advantages(torch.randn(40), 8, scale=scale)
+    assert adv.view(5, 8).sum(1).abs().max().item() < 1e-5
+    assert adv.abs().sum().item() > 1.0  # not trivially zero
+
+
+def test_clip_bounds_hold():
+    torch.manual_seed(2)
+    rewards = torch.zeros(64)
+    rewards[::32] = 1.0  # one success per group of 32: winner gets ~5.4 std units
+    adv = group_advantages(rewards, 32, clip=2.5)
+    assert adv.max().item() == pytest.approx(2.5)
+    assert adv.min().item() >= -2.5
+
+
+def test_bad_shape_says_what_is_wrong():
+    with pytest.raises(ValueError, match="num_prompts"):
+        group_advantages(torch.zeros(10), 4)
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(torch.zeros(4), 4, scale="batch")
+
+
+def test_group_stats_hand_worked():
+    stats = group_stats(torch.tensor([1.0, 0, 1, 1]), 2)
+    assert stats["effective_group_ratio"] == 0.5
+    assert stats["frac_reward_zero_std"] == 0.5
+    # std of [1, 0] is sqrt(0.5), of [1, 1] is 0
+    assert stats["group_std"] == pytest.approx(math.sqrt(0.5) / 2)
+    assert stats["pass_rate"].tolist() == [0.5, 1.0]
+
+
+def test_group_stats_pass_rate_from_correct():
+    # shaped rewards (format bonus) differ from correctness: the pass rate follows `correct`
+    rewards = torch.tensor([0.2, 1.2, 0.2, 0.0])
+    correct = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    stats = group_stats(rewards, 2, correct=correct)
+    assert stats["pass_rate"].tolist() == [0.5, 0.0]
+    assert stats["effective_group_ratio"] == 1.0
