@@ -1,0 +1,361 @@
+"""The GRPO loss, token logprobs, adaptive KL and the LR schedule.   pytest tests/test_loss.py"""
+
+import math
+
+import pytest
+import torch
+
+from loss import adaptive_kl_beta, grpo_loss, logprobs_and_entropy, lr_at, token_logprobs
+
+LN = math.log
+
+
+# ---------------------------------------------------------------- token logprobs
+
+
+def naive_logprobs(logits, tokens, temperature):
+    logp_all = torch.log_softmax(logits.double() / temperature, dim=-1)
+    logp = logp_all.gather(-1, tokens[..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def test_token_logprobs_hand_worked():
+    # softmax([0, ln 3]) = [1/4, 3/4]
+    logits = torch.tensor([[[0.0, LN(3)], [0.0, LN(3)]]])
+    lp, ent = logprobs_and_entropy(logits, torch.tensor([[1, 0]]))
+    assert lp.tolist()[0] == pytest.approx([LN(3 / 4), LN(1 / 4)], abs=1e-6)
+    want_h = -(0.25 * LN(0.25) + 0.75 * LN(0.75))
+    assert ent.tolist()[0] == pytest.approx([want_h, want_h], abs=1e-6)
+    # temperature 2 halves the logits: softmax([0, ln 3 / 2]) = [1 / (1 + sqrt 3), sqrt 3 / (1 + sqrt 3)]
+    lp_t = token_logprobs(logits, torch.tensor([[1, 0]]), temperature=2.0)
+    s3 = math.sqrt(3)
+    assert lp_t.tolist()[0] == pytest.approx([LN(s3 / (1 + s3)), LN(1 / (1 + s3))], abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+def test_token_logprobs_match_log_softmax(dtype, chunk):
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 7, 50) * 4).to(dtype)
+    tokens = torch.randint(0, 50, (3, 7))
+    lp, ent = logprobs_and_entropy(logits, tokens, 0.7, chunk=chunk)
+    want_lp, want_ent = naive_logprobs(logits, tokens, 0.7)
+    assert lp.dtype == torch.float32  # fp32 even from bf16 logits (L6)
+    assert torch.allclose(lp.double(), want_lp, atol=1e-5)
+    assert torch.allclose(ent.double(), want_ent, atol=1e-5)
+
+
+def test_gradients_match_autograd_of_log_softmax():
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 11, (2, 5))
+    w_lp, w_ent = torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
+    lp, ent = logprobs_and_entropy(x, tokens, 1.3, chunk=2)
+    (g,) = torch.autograd.grad((lp * w_lp).sum() + (ent * w_ent).sum(), x)
+    want_lp, want_ent = naive_logprobs(x, tokens, 1.3)
+    (want_g,) = torch.autograd.grad((want_lp * w_lp).sum() + (want_ent * w_ent).sum(), x, retain_graph=True)
+    assert torch.allclose(g, want_g, atol=1e-10)
+    # logprobs alone (entropy unused): its grad is None inside backward and must be skipped cleanly
+    (g_lp,) = torch.autograd.grad((token_logprobs(x, tokens, 1.3) * w_lp).sum(), x)
+    (want_g_lp,) = torch.autograd.grad((want_lp * w_lp).sum(), x)
+    assert torch.allclose(g_lp, want_g_lp, atol=1e-10)
+
+
+def test_gradcheck():
+    torch.manual_seed(2)
+    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 5, (2, 3))
+    assert torch.autograd.gradcheck(lambda x: tuple(logprobs_and_entropy(x, tokens, 0.9, chunk=2)), (x,))
+
+
+def test_non_contiguous_logits_slice():
+    # the trainer passes model_logits[:, :-1], a non-contiguous view
+    torch.manual_seed(3)
+    full = torch.randn(2, 6, 9, requires_grad=True)
+    tokens = torch.randint(0, 9, (2, 5))
+    lp = token_logprobs(full[:, :-1], tokens)
+    assert torch.allclose(lp.double(), naive_logprobs(full[:, :-1].detach(), tokens, 1.0)[0], atol=1e-6)
+    lp.sum().backward()
+    assert full.grad[:, -1].abs().sum().item() == 0.0  # the dropped position gets no gradient
+
+
+def test_no_fp32_copy_of_the_logits_is_kept_for_backward():
+    """Saved-for-backward tensors: bf16 logits plus (B, T) vectors; log_softmax(x.float()) keeps (B, T, V) fp32."""
+    B, T, V = 2, 8, 1000
+    logits = torch.randn(B, T, V, dtype=torch.bfloat16, requires_grad=True)
+    tokens = torch.randint(0, V, (B, T))
+
+    def saved(fn):
+        found = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: found.append(t) or t, lambda t: t):
+            fn()
+        return [t for t in found if t.dtype == torch.float32 and t.numel() >= B * T * V]
+
+    assert saved(lambda: token_logprobs(logits, tokens)) == []
+    naive = lambda: torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None])  # noqa: E731
+    assert len(saved(naive)) > 0  # the check can fail
+
+
+# ---------------------------------------------------------------- the loss: hand-worked cases
+
+
+def one_token(log_ratio, adv, **kw):
+    """Loss and d loss / d logprob for one response token with the given log ratio and advantage."""
+    lp = torch.tensor([[log_ratio]], dtype=torch.float64, requires_grad=True)
+    loss, metrics = grpo_loss(lp, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([adv]), torch.ones(1, 1), **kw)
+    (grad,) = torch.autograd.grad(loss, lp)
+    return loss.item(), grad.item(), metrics
+
+
+def test_on_policy_loss_is_minus_advantage():
+    loss, grad, m = one_token(0.0, 2.0)
+    assert loss == pytest.approx(-2.0)
+    assert grad == pytest.approx(-2.0)  # d(-r A)/d logp = -r A
+    assert m["ratio"] == pytest.approx(1.0) and m["approx_kl_old"] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, loss, grad",
+    [
+        (1.5, 1.0, -1.2, 0.0),  # above 1 + eps with A > 0: clipped, no gradient
+        (0.5, 1.0, -0.5, -0.5),  # below 1 - eps with A > 0: not clipped (min picks r A)
+        (0.5, -1.0, 0.8, 0.0),  # below 1 - eps with A < 0: clipped, no gradient
+        (1.5, -1.0, 1.5, 1.5),  # above 1 + eps with A < 0: not clipped
+        (1.1, 1.0, -1.1, -1.1),  # inside the range
+    ],
+)
+def test_clipped_surrogate(ratio, adv, loss, grad):
+    got_loss, got_grad, _ = one_token(LN(ratio), adv, clip_eps=0.2)
+    assert got_loss == pytest.approx(loss)
+    assert got_grad == pytest.approx(grad)
+
+
+def test_clip_higher():
+    # DAPO clip-higher: ratio 1.25 with A > 0 is clipped at eps 0.2, free at eps_high 0.28
+    assert one_token(LN(1.25), 1.0, clip_eps=0.2)[1] == 0.0
+    loss, grad, m = one_token(LN(1.25), 1.0, clip_eps=0.2, clip_eps_high=0.28)
+    assert (loss, grad) == (pytest.approx(-1.25), pytest.approx(-1.25))
+    assert m["clip_frac_high"] == 0.0
+    assert one_token(LN(1.3), 1.0, clip_eps=0.2, clip_eps_high=0.28)[2]["clip_frac_high"] == 1.0
+    # the low side still uses clip_eps
+    assert one_token(LN(0.75), -1.0, clip_eps=0.2, clip_eps_high=0.28)[2]["clip_frac_low"] == 1.0
+
+
+def test_k3_kl_hand_worked():
+    # ref - new = ln 2: k3 = 2 - ln 2 - 1 = 0.30685; beta 0.1 adds 0.030685 to -A
+    lp = torch.zeros(1, 1, requires_grad=True)
+    ref = torch.full((1, 1), LN(2))
+    loss, m = grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 1), ref_logprobs=ref, beta=0.1)
+    assert m["kl"] == pytest.approx(1 - LN(2), abs=1e-6)
+    assert loss.item() == pytest.approx(-1.0 + 0.1 * (1 - LN(2)), abs=1e-6)
+    loss.backward()
+    # d k3 / d new = -(exp(d) - 1) = -1 at d = ln 2; so grad = -A*r + beta * (-1) = -1.1
+    assert lp.grad.item() == pytest.approx(-1.1, abs=1e-6)
+
+
+def test_k3_kl_is_nonnegative_and_zero_at_equality():
+    torch.manual_seed(4)
+    lp, ref = -torch.rand(4, 9) * 5, -torch.rand(4, 9) * 5
+    mask = torch.ones(4, 9)
+    _, m = grpo_loss(lp, lp, torch.randn(4), mask, ref_logprobs=ref)
+    _, m_eq = grpo_loss(lp, lp, torch.randn(4), mask, ref_logprobs=lp)
+    assert m["kl"] > 0.01
+    assert m_eq["kl"] == 0.0
+
+
+def test_entropy_bonus_lowers_the_loss():
+    lp = torch.zeros(1, 2, requires_grad=True)
+    ent = torch.tensor([[2.0, 4.0]], requires_grad=True)
+    kw = dict(entropy=ent, entropy_coef=0.01)
+    loss, m = grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), **kw)
+    assert loss.item() == pytest.approx(-1.0 - 0.01 * 3.0)
+    assert m["entropy"] == pytest.approx(3.0)
+    loss.backward()
+    assert ent.grad.tolist()[0] == pytest.approx([-0.005, -0.005])
+    with pytest.raises(ValueError, match="entropy"):
+        grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), entropy_coef=0.01)
+
+
+def test_gspo_sequence_ratio():
+    # token log ratios [ln 2, 0]: sequence ratio = geometric mean = sqrt 2, applied to both tokens
+    lp = torch.tensor([[LN(2), 0.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    loss, m = grpo_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.5, ratio_level="sequence")
+    assert loss.item() == pytest.approx(-math.sqrt(2))
+    assert m["ratio"] == pytest.approx(math.sqrt(2))
+    loss.backward()
+    # d(-s)/d lp_t = -s / |y| = -sqrt(2) / 2 for each token
+    assert lp.grad.tolist()[0] == pytest.approx([-math.sqrt(2) / 2] * 2)
+    # outside the range the whole sequence is clipped together
+    lp2 = torch.tensor([[LN(4), 0.0]], requires_grad=True)
+    loss2, _ = grpo_loss(lp2, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), ratio_level="sequence")
+    loss2.backward()
+    assert loss2.item() == pytest.approx(-1.2) and lp2.grad.abs().sum().item() == 0.0
+
+
+def test_token_mean_vs_seq_mean_vs_dr_grpo_on_unequal_lengths():
+    # on-policy (ratio 1) so each token's loss is -A. Seq 0: 1 token, A = 1; seq 1: 3 tokens, A = -1.
+    mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0]])
+    lp = torch.zeros(2, 4)
+    adv = torch.tensor([1.0, -1.0])
+    token_mean = grpo_loss(lp, lp, adv, mask, agg="token-mean")[0].item()
+    seq_mean = grpo_loss(lp, lp, adv, mask, agg="seq-mean")[0].item()
+    dr = grpo_loss(lp, lp, adv, mask, agg="dr-grpo")[0].item()
+    assert token_mean == pytest.approx((-1 + 3) / 4)  # every token weighs the same: long seq dominates
+    assert seq_mean == pytest.approx((-1 + 1) / 2)  # every sequence weighs the same
+    assert dr == pytest.approx((-1 + 3) / (2 * 4))  # token sum over the constant seqs x max_len
+    assert grpo_loss(lp, lp, adv, mask, agg="dr-grpo", max_len=8)[0].item() == pytest.approx(2 / 16)
+
+
+def test_metrics_hand_worked():
+    # four tokens, ratios [1.5, 0.5, 1.0, 1.0], advantages [+1 (seq 0), -1 (seq 1)]
+    lp = torch.tensor([[LN(1.5), LN(0.5)], [0.0, 0.0]])
+    _, m = grpo_loss(lp, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2))
+    assert m["clip_frac_high"] == 0.25  # ratio 1.5 with A > 0
+    assert m["clip_frac_low"] == 0.0  # ratio 0.5 has A > 0: the low clip is not active
+    assert m["ratio"] == pytest.approx(1.0)
+    want = ((1.5 - 1 - LN(1.5)) + (0.5 - 1 - LN(0.5))) / 4
+    assert m["approx_kl_old"] == pytest.approx(want)
+    assert m["num_tokens"] == 4
+
+
+# ---------------------------------------------------------------- the loss against a naive loop
+
+
+def naive_loss(lp, old, adv, mask, ref, beta, eps, eps_high, agg, num_seqs, max_len):
+    """Element by element, exactly the formula in loss.py's docstring."""
+    per_seq, total, count = [], 0.0, 0
+    for i in range(len(lp)):
+        seq_sum, n = 0.0, 0
+        for t in range(len(lp[i])):
+            if not mask[i][t]:
+                continue
+            r = math.exp(lp[i][t] - old[i][t])
+            val = -min(r * adv[i], min(max(r, 1 - eps), 1 + eps_high) * adv[i])
+            if ref is not None:
+                d = ref[i][t] - lp[i][t]
+                val += beta * (math.exp(d) - d - 1)
+            seq_sum, n = seq_sum + val, n + 1
+        per_seq.append(seq_sum / max(n, 1))
+        total, count = total + seq_sum, count + n
+    if agg == "token-mean":
+        return total / count
+    if agg == "seq-mean":
+        return sum(per_seq) / num_seqs
+    return total / (num_seqs * max_len)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "dr-grpo"])
+@pytest.mark.parametrize("with_ref", [False, True])
+@pytest.mark.parametrize("eps_high", [None, 0.28])
+def test_matches_naive_loop(agg, with_ref, eps_high):
+    torch.manual_seed(5)
+    B, T = 6, 9
+    lp = -torch.rand(B, T, dtype=torch.float64) * 3
+    old = lp + torch.randn(B, T, dtype=torch.float64) * 0.3  # ratios well outside 1 +- 0.2 too
+    ref = lp + torch.randn(B, T, dtype=torch.float64) * 0.5 if with_ref else None
+    adv = torch.randn(B, dtype=torch.float64)
+    lengths = torch.tensor([9, 1, 4, 7, 2, 5])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    got, _ = grpo_loss(lp, old, adv, mask, ref_logprobs=ref, beta=0.05, clip_eps_high=eps_high, agg=agg)
+    want = naive_loss(
+        lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), None if ref is None else ref.tolist(),
+        0.05, 0.2, eps_high or 0.2, agg, B, T,
+    )
+    assert got.item() == pytest.approx(want, rel=1e-12)
+
+
+# ---------------------------------------------------------------- properties
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "dr-grpo"])
+def test_micro_batches_add_up_to_the_full_batch(agg):
+    """Gradient accumulation (L2, O3): shared denominators make micro-batch losses sum to the batch loss."""
+    torch.manual_seed(6)
+    B, T = 8, 12
+    lp = (-torch.rand(B, T, dtype=torch.float64) * 3).requires_grad_()
+    old = lp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.2
+    ref = lp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.2
+    adv = torch.randn(B, dtype=torch.float64)
+    mask = torch.arange(T)[None, :] < torch.randint(1, T + 1, (B,))[:, None]
+    kw = dict(beta=0.04, agg=agg)
+
+    full, _ = grpo_loss(lp, old, adv, mask, ref_logprobs=ref, **kw)
+    (full_grad,) = torch.autograd.grad(full, lp)
+
+    shared = dict(num_tokens=int(mask.sum()), num_seqs=B, max_len=T)
+    total = 0.0
+    for idx in ([0, 1, 2], [3], [4, 5, 6, 7]):
+        part, _ = grpo_loss(lp[idx], old[idx], adv[idx], mask[idx], ref_logprobs=ref[idx], **kw, **shared)
+        total = total + part
+    (micro_grad,) = torch.autograd.grad(total, lp)
+    assert total.item() == pytest.approx(full.item(), abs=1e-6)
+    assert torch.allclose(micro_grad, full_grad, atol=1e-6)
+    # without the shared denominator token-mean would differ: the test can tell
+    if agg == "token-mean":
+        parts = ([0, 1, 2], [3], [4, 5, 6, 7])
+        naive = sum(grpo_loss(lp[i], old[i], adv[i], mask[i], ref_logprobs=ref[i], **kw)[0] for i in parts)
+        assert abs(naive.item() - full.item()) > 1e-3
+
+
+def test_masked_positions_may_hold_minus_inf():
+    lp = torch.tensor([[-0.5, -float("inf")], [-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-0.4, -float("inf")], [-1.1, -float("inf")]])
+    ref = torch.tensor([[-0.6, -float("inf")], [-0.9, float("nan")]])
+    mask = torch.tensor([[1, 0], [1, 0]])
+    loss, m = grpo_loss(lp, old, torch.tensor([1.0, -1.0]), mask, ref_logprobs=ref, beta=0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert lp.grad[:, 1].tolist() == [0.0, 0.0]  # padding gets no gradient (L3)
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_fully_masked_micro_batch_gives_zero_not_nan():
+    lp = torch.randn(2, 3, requires_grad=True)
+    for agg in ("token-mean", "seq-mean", "dr-grpo"):
+        loss, m = grpo_loss(lp, lp.detach(), torch.ones(2), torch.zeros(2, 3), agg=agg, entropy=lp, entropy_coef=0.1)
+        (g,) = torch.autograd.grad(loss, lp)
+        assert loss.item() == 0.0 and g.abs().sum().item() == 0.0
+        assert m["num_tokens"] == 0 and m["ratio"] == 0.0
+
+
+def test_old_logprobs_are_detached():
+    lp = torch.zeros(1, 2, requires_grad=True)
+    old = torch.full((1, 2), -0.1, requires_grad=True)
+    loss, _ = grpo_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2))
+    loss.backward()
+    assert old.grad is None and lp.grad is not None
+
+
+def test_bad_options_fail_clearly():
+    lp = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="agg"):
+        grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 1), agg="sum")
+    with pytest.raises(ValueError, match="ratio_level"):
+        grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 1), ratio_level="seq")
+
+
+# ---------------------------------------------------------------- adaptive KL and LR schedule
+
+
+def test_adaptive_kl_beta():
+    assert adaptive_kl_beta(0.01, 0.1) == pytest.approx(0.012)  # above 0.08: x 1.2
+    assert adaptive_kl_beta(0.01, 0.005) == pytest.approx(0.008)  # below 0.01: x 0.8
+    assert adaptive_kl_beta(0.01, 0.03) == 0.01  # in the band: unchanged
+    # 002's thresholds as settings
+    assert adaptive_kl_beta(0.01, 0.09, high=0.1, low=0.01) == 0.01
+
+
+def test_lr_schedule_hand_worked():
+    kw = dict(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(10, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.55)
+    assert lr_at(110, **kw) == pytest.approx(0.1)
+    assert lr_at(500, **kw) == pytest.approx(0.1)
+    lrs = [lr_at(s, **kw) for s in range(110)]
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lr_at(5, lr=2.0, warmup_steps=0, max_steps=10, min_lr_ratio=1.0) == 2.0  # constant
