@@ -58,8 +58,8 @@ class Config:
     kl_window: int = 20  # F2: steps between beta updates
     kl_high: float = 0.08  # F2: mean KL above this multiplies beta by kl_up
     kl_low: float = 0.01  # F2: mean KL below this multiplies beta by kl_down
-    kl_up: float = 1.2  # F2
-    kl_down: float = 0.8  # F2
+    kl_up: float = 1.2  # F2: factor applied to beta when the KL is too high
+    kl_down: float = 0.8  # F2: factor applied to beta when the KL is too low
 
     # ---- optimisation (O1, O2, O5) ----
     lr: float = 1e-6  # O1: peak AdamW learning rate (5e-7..1e-6 for 3B full fine-tuning)
@@ -123,25 +123,28 @@ def _coerce(name, value, default):
     return value
 
 
+def _parse_bool(text):
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(text)
+    return text.lower() in ("true", "1", "yes")
+
+
+PARSERS = {
+    bool: _parse_bool,
+    int: int,
+    float: float,
+    str: str,
+    tuple: lambda text: tuple(ast.literal_eval(text if text.strip().startswith("(") else f"({text},)")),
+}
+
+
 def parse_value(name, text, default):
     """Parse a command-line string to the type of the field's default."""
-    want = type(default)
     try:
-        if want is bool:
-            lowered = text.lower()
-            if lowered not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError
-            return lowered in ("true", "1", "yes")
-        if want is int:
-            return int(text)
-        if want is float:
-            return float(text)
-        if want is tuple:
-            value = ast.literal_eval(text if text.strip().startswith("(") else f"({text},)")
-            return _coerce(name, tuple(value), default)
-        return text
-    except (ValueError, SyntaxError):
-        raise ConfigError(f"--{name}={text}: cannot parse as {want.__name__} (default {default!r})") from None
+        value = PARSERS[type(default)](text)
+    except (ValueError, SyntaxError, TypeError):
+        raise ConfigError(f"--{name}={text}: cannot parse as {type(default).__name__} (default {default!r})") from None
+    return _coerce(name, value, default)
 
 
 def _check_name(name, where):

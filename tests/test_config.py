@@ -1,0 +1,202 @@
+"""Config loading, overrides and pre-flight checks (SPEC O6).   pytest tests/test_config.py"""
+
+import ast
+import dataclasses
+import glob
+import inspect
+import os
+
+import pytest
+
+import config
+from config import Config, ConfigError, count_params, estimate_memory, load_config, preflight
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_FILES = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.py"
+    path.write_text(text)
+    return str(path)
+
+
+def test_every_setting_has_a_comment():
+    source = inspect.getsource(Config).splitlines()
+    fields = [n for n in ast.parse(inspect.getsource(Config)).body[0].body if isinstance(n, ast.AnnAssign)]
+    assert len(fields) == len(dataclasses.fields(Config))
+    for node in fields:
+        line = source[node.lineno - 1]
+        assert "  # " in line and len(line.split("  # ", 1)[1]) > 10, f"no comment on: {line.strip()}"
+
+
+def test_every_technique_setting_names_its_spec_id():
+    # the SPEC techniques that live in config, advantage and loss
+    for tech in ["R1", "R3", "R4", "A1", "A2", "A3", "L1", "L2", "L4", "L5", "L7", "L8", "F2", "O1", "O2", "O3", "O5", "O6"]:
+        assert f"{tech}:" in inspect.getsource(Config), tech
+
+
+def test_defaults_load_and_derive():
+    cfg = load_config()
+    assert cfg.prompts_per_step == cfg.batch_size // cfg.group_size == 8
+    assert cfg.clip_eps_high_eff == cfg.clip_eps
+    assert load_config(overrides=["--clip_eps_high=0.28"]).clip_eps_high_eff == 0.28
+
+
+def test_run_file_then_overrides_apply_last(tmp_path, capsys):
+    path = write(tmp_path, "import math\ngroup_size = 16\nbatch_size = 128\nlr = 1\n_scratch = 3\n")
+    cfg = load_config(path, ["--group_size=4", "--adam_betas=0.9,0.95", "--adaptive_kl=false", "--beta=0.01"])
+    assert cfg.group_size == 4  # override beats the run file
+    assert cfg.batch_size == 128 and cfg.prompts_per_step == 32
+    assert cfg.lr == 1.0 and type(cfg.lr) is float  # an int may stand for a float
+    assert cfg.adam_betas == (0.9, 0.95)
+    out = capsys.readouterr().out
+    assert "override: group_size = 4" in out and "override: adam_betas = (0.9, 0.95)" in out
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("true", True), ("False", False), ("1", True), ("no", False)],
+)
+def test_bool_overrides(text, value):
+    assert load_config(overrides=[f"--gradient_checkpointing={text}"]).gradient_checkpointing is value
+
+
+def test_unknown_keys_name_the_closest_valid_key(tmp_path):
+    with pytest.raises(ConfigError, match="unknown setting 'grou_size'. Did you mean 'group_size'"):
+        load_config(overrides=["--grou_size=4"])
+    with pytest.raises(ConfigError, match="run.py: unknown setting 'learning_rate'"):
+        load_config(write(tmp_path, "learning_rate = 1e-6\n"))
+    with pytest.raises(ConfigError, match="derived"):
+        load_config(overrides=["--prompts_per_step=4"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--group_size=eight", "cannot parse as int"),
+        ("--lr=fast", "cannot parse as float"),
+        ("--gradient_checkpointing=maybe", "cannot parse as bool"),
+        ("--adam_betas=0.9", "must have 2 items"),
+        ("group_size=4", "must look like --key=value"),
+    ],
+)
+def test_bad_override_values_fail_helpfully(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+def test_bad_run_file_types_fail_helpfully(tmp_path):
+    with pytest.raises(ConfigError, match="group_size must be int"):
+        load_config(write(tmp_path, 'group_size = "8"\n'))
+    with pytest.raises(ConfigError, match="gradient_checkpointing must be bool"):
+        load_config(write(tmp_path, "gradient_checkpointing = 1\n"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.py"))
+
+
+def test_config_from_argv():
+    cfg = config.config_from_argv(["--config", os.path.join(ROOT, "config", "tiny.py"), "--max_steps=3"])
+    assert cfg.model == "tiny" and cfg.max_steps == 3
+    cfg = config.config_from_argv([f"--config={os.path.join(ROOT, 'config', 'tiny.py')}"])
+    assert cfg.group_size == 4
+
+
+# ---------------------------------------------------------------- pre-flight (O6)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--batch_size=30", "--group_size=8"], "batch_size=30 is not divisible by group_size=8; use batch_size=24 or 32"),
+        (["--group_size=1", "--batch_size=8"], "needs >= 2 completions"),
+        (["--clip_eps=0"], "clip_eps=0.0 must be in"),
+        (["--clip_eps=1.5"], "clip_eps=1.5 must be in"),
+        (["--clip_eps_high=0.1"], "must be >= clip_eps"),
+        (["--beta=-0.1"], "beta=-0.1 must be in"),
+        (["--beta=2"], "beta=2.0 must be in"),
+        (["--adaptive_kl=true"], "beta=0"),
+        (["--micro_batch_tokens=1000"], r"cannot hold one prompt plus its longest completion \(256 \+ 1024 = 1280\)"),
+        (["--loss_agg=sum"], "choose one of"),
+        (["--gpu_memory_utilization=0.95", "--gpu_memory_utilization=1.5"], "gpu_memory_utilization"),
+        (["--max_steps=0"], "max_steps=0 must be >= 1"),
+    ],
+)
+def test_preflight_rejects_impossible_settings(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_small_group_warns():
+    with pytest.warns(UserWarning, match="group_size=3 < 4"):
+        load_config(overrides=["--group_size=3", "--batch_size=24"])
+
+
+def test_count_params_hand_worked():
+    # tiny: 2 layers x (attn 2*64*64 + 2*64*64 + mlp 3*64*128) + tied embedding 512*64
+    assert count_params(config.SHAPES["tiny"]) == 2 * (4 * 64 * 64 + 3 * 64 * 128) + 512 * 64
+    # Qwen2.5-3B-Instruct has 3.09B parameters (its model card)
+    assert count_params(config.SHAPES["Qwen/Qwen2.5-3B-Instruct"]) / 1e9 == pytest.approx(3.09, abs=0.01)
+
+
+def test_memory_estimate_hand_worked():
+    cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32"])
+    est = estimate_memory(cfg, config.SHAPES["tiny"])
+    n = count_params(config.SHAPES["tiny"])
+    gib = 2**30
+    assert est["weights"] * gib == 4 * n and est["grads"] * gib == 4 * n and est["optimizer"] * gib == 8 * n
+    # 2 layers x 17 x 64 elements per token at 4 bytes + logits and their grad at 2 x 4 bytes x 512
+    assert est["activations"] * gib == 2048 * (4 * 17 * 64 * 2 + 8 * 512)
+    assert "reference" not in est  # beta = 0: no reference model (L4)
+    assert "reference" in estimate_memory(load_config(overrides=["--beta=0.01"]), config.SHAPES["tiny"])
+    ckpt_cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32", "--gradient_checkpointing=true"])
+    ckpt = estimate_memory(ckpt_cfg, config.SHAPES["tiny"])
+    assert ckpt["activations"] < est["activations"]
+
+
+def test_memory_check_against_the_device(tmp_path, capsys):
+    path = os.path.join(ROOT, "config", "countdown_3b.py")
+    est = preflight(load_config(path, ["--device_memory_gb=80"]))
+    assert 11 < est["weights"] < 12  # 3.09B fp32 master weights
+    assert "update peak" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="one update needs .* lower micro_batch_tokens"):
+        preflight(load_config(path, ["--device_memory_gb=40"]))
+    with pytest.raises(ConfigError, match="lower gpu_memory_utilization"):
+        preflight(load_config(path, ["--device_memory_gb=80", "--gpu_memory_utilization=0.6"]))
+
+
+def test_unknown_model_skips_the_estimate_with_a_note(capsys):
+    assert preflight(load_config(overrides=["--model=/nonexistent/model"])) is None
+    assert "memory estimate skipped" in capsys.readouterr().out
+
+
+def test_model_shape_from_a_local_folder(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, '
+                                          '"num_hidden_layers": 1, "num_attention_heads": 2}')
+    shape = config.model_shape(str(tmp_path))
+    assert count_params(shape) == 4 * 8 * 8 + 3 * 8 * 16 + 2 * 10 * 8  # untied by default
+
+
+# ---------------------------------------------------------------- the run files
+
+
+def test_config_dir_has_no_init():
+    assert not os.path.exists(os.path.join(ROOT, "config", "__init__.py"))  # it would shadow config.py
+
+
+@pytest.mark.parametrize("path", RUN_FILES, ids=os.path.basename)
+def test_every_run_file_loads_and_passes_preflight(path):
+    with open(path) as f:
+        assert f.readline().startswith("# "), "a run file starts with a comment saying what it trains"
+    cfg = load_config(path)
+    preflight(cfg)
+    config.save_config(cfg, os.devnull)
+
+
+def test_save_config_round_trip(tmp_path):
+    import json
+
+    cfg = load_config(os.path.join(ROOT, "config", "tiny.py"))
+    config.save_config(cfg, tmp_path / "config.json")
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model"] == "tiny" and saved["prompts_per_step"] == 4 and saved["adam_betas"] == [0.9, 0.99]
