@@ -25,6 +25,31 @@ class Config:
     seed: int = 1337  # one seed for data order, sampling and init (D3)
     max_steps: int = 200  # optimizer steps; also the length of the LR schedule (O1)
 
+    # ---- task and data (D1-D3) ----
+    task: str = "countdown"  # D1: "countdown" | "math" (generated, data/arith.py) | path to your own .jsonl
+    data_seed: int = 0  # D1: seeds the problem generators; fixes the train/test problems across runs
+    train_size: int = 10000  # generated training problems (countdown, math)
+    test_size: int = 200  # held-out problems for eval (M2); the splits never overlap (data/split.py)
+    countdown_numbers: tuple = (3, 4)  # D1: how many numbers a problem has, drawn per problem
+    countdown_max_number: int = 99  # D1: numbers are drawn from 1..countdown_max_number
+    countdown_max_target: int = 100  # D1: targets are whole numbers in 1..countdown_max_target
+    math_kinds: tuple = ("add", "sub", "order_of_ops", "linear", "fractions", "cookies", "area")  # data/arith.py
+    math_max_number: int = 99  # largest operand of the generated math problems
+    curriculum: bool = False  # D2: sample easy:medium:hard 1:2:3 by recent pass rate; False = shuffled epochs (D3)
+    curriculum_easy_above: float = 0.8  # D2: pass rate above this is easy
+    curriculum_hard_below: float = 0.2  # D2: pass rate below this is hard
+    curriculum_ramp_steps: int = 100  # D2: steps over which the hard share ramps from 0 to its full weight
+
+    # ---- rewards (W2, W3) ----
+    format_weight: float = 0.1  # W2: reward for the <think>..</think><answer>..</answer> layout (002 uses 0.4 vs 0.6)
+    correct_weight: float = 1.0  # W2: reward for a correct answer (code: per passed share of tests)
+    wrong_penalty: float = 0.0  # W2: added when the answer parses but is wrong (000: small, e.g. -0.1); 0 = off
+    unparsed_penalty: float = 0.0  # W2: added when no well-formed answer is found (000: larger, e.g. -0.5); 0 = off
+    length_soft_limit: int = 0  # W3: completion tokens past which length_penalty applies; 0 = off
+    length_penalty: float = 0.05  # W3: subtracted per length_penalty_tokens started past the soft limit
+    length_penalty_tokens: int = 32  # W3: the step of the length penalty
+    length_min: int = 0  # W3: completions shorter than this many tokens score 0; 0 = off
+
     # ---- batch (R3, O3) ----
     group_size: int = 8  # R3: G completions per prompt (TRL num_generations, verl rollout.n); >= 2, warn < 4
     batch_size: int = 64  # R3: completions per optimizer step = prompts per step x group_size; must divide
@@ -78,8 +103,11 @@ class Config:
     # ---- derived: computed by derive(), never set by hand ----
     prompts_per_step: int = field(default=0, init=False)  # batch_size // group_size
     clip_eps_high_eff: float = field(default=0.0, init=False)  # clip_eps_high, or clip_eps when that is 0
+    reward_weights: dict = field(default_factory=dict, init=False)  # the W2-W3 settings, as rewards.shape_reward kwargs
 
 
+REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "length_soft_limit",
+               "length_penalty", "length_penalty_tokens", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
 CHOICES = {
     "adv_scale": ("group", "none"),
@@ -97,6 +125,7 @@ def derive(cfg):
     """Compute the derived values, once, right after loading."""
     cfg.prompts_per_step = cfg.batch_size // cfg.group_size
     cfg.clip_eps_high_eff = cfg.clip_eps_high or cfg.clip_eps
+    cfg.reward_weights = {k: getattr(cfg, k) for k in REWARD_KEYS}
     return cfg
 
 
@@ -118,8 +147,9 @@ def _coerce(name, value, default):
         value = tuple(value)
     if type(value) is not want:
         raise ConfigError(f"{name} must be {want.__name__} (default {default!r}), got {value!r}")
-    if want is tuple and len(value) != len(default):
-        raise ConfigError(f"{name} must have {len(default)} items like {default!r}, got {value!r}")
+    if want is tuple and any(type(v) is not type(default[0]) and not (type(v), type(default[0])) == (int, float)
+                             for v in value):
+        raise ConfigError(f"{name} must hold {type(default[0]).__name__} items like {default!r}, got {value!r}")
     return value
 
 
@@ -134,8 +164,16 @@ PARSERS = {
     int: int,
     float: float,
     str: str,
-    tuple: lambda text: tuple(ast.literal_eval(text if text.strip().startswith("(") else f"({text},)")),
+    tuple: lambda text: tuple(_literal(x.strip()) for x in text.strip().strip("()").split(",") if x.strip()),
 }
+
+
+def _literal(text):
+    """'0.9' -> 0.9, '3' -> 3, 'add' -> 'add': one item of a comma-separated tuple."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text.strip("'\"")
 
 
 def parse_value(name, text, default):
@@ -222,6 +260,18 @@ def validate(cfg):
             f"batch_size={cfg.batch_size} is not divisible by group_size={cfg.group_size}; "
             f"use batch_size={lower or cfg.group_size} or {lower + cfg.group_size}"
         )
+    if cfg.task not in ("countdown", "math") and not (cfg.task.endswith(".jsonl") and os.path.isfile(cfg.task)):
+        raise ConfigError(f"task={cfg.task!r}: choose 'countdown', 'math', or the path of an existing .jsonl file")
+    from data.arith import KINDS
+
+    if not cfg.math_kinds or set(cfg.math_kinds) - set(KINDS):
+        raise ConfigError(f"math_kinds={cfg.math_kinds}: choose from {tuple(KINDS)}")
+    if not cfg.countdown_numbers or not set(cfg.countdown_numbers) <= {2, 3, 4, 5, 6}:
+        raise ConfigError(f"countdown_numbers={cfg.countdown_numbers}: use counts from 2 to 6, e.g. (3, 4)")
+    if len(cfg.adam_betas) != 2:
+        raise ConfigError(f"adam_betas={cfg.adam_betas} must be two numbers, e.g. 0.9,0.99")
+    if not 0 <= cfg.curriculum_hard_below <= cfg.curriculum_easy_above <= 1:
+        raise ConfigError("need 0 <= curriculum_hard_below <= curriculum_easy_above <= 1 (D2)")
     if not 0 < cfg.clip_eps < 1:
         raise ConfigError(f"clip_eps={cfg.clip_eps} must be in (0, 1); 0.2 is standard (L1)")
     if cfg.clip_eps_high and not cfg.clip_eps <= cfg.clip_eps_high < 10:
@@ -232,10 +282,12 @@ def validate(cfg):
         raise ConfigError("adaptive_kl=True scales beta, but beta=0; set beta > 0 (e.g. 0.001) or adaptive_kl=False")
     if cfg.kl_low >= cfg.kl_high:
         raise ConfigError(f"kl_low={cfg.kl_low} must be below kl_high={cfg.kl_high} (F2)")
-    for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations", "kl_window"):
+    for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations", "kl_window", "train_size",
+                 "test_size", "countdown_max_number", "countdown_max_target", "math_max_number", "length_penalty_tokens"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
-    for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay", "grad_clip", "lora_rank"):
+    for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay", "grad_clip", "lora_rank",
+                 "length_soft_limit", "length_min", "curriculum_ramp_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
     if cfg.lr <= 0:

@@ -32,7 +32,7 @@ def test_every_setting_has_a_comment():
 
 def test_every_technique_setting_names_its_spec_id():
     # the SPEC techniques that live in config, advantage and loss
-    for tech in ["R1", "R3", "R4", "A1", "A2", "A3", "L1", "L2", "L4", "L5", "L7", "L8", "F2", "O1", "O2", "O3", "O5", "O6"]:
+    for tech in ["D1", "D2", "W2", "W3", "R1", "R3", "R4", "A1", "A2", "A3", "L1", "L2", "L4", "L5", "L7", "L8", "F2", "O1", "O2", "O3", "O5", "O6"]:
         assert f"{tech}:" in inspect.getsource(Config), tech
 
 
@@ -41,6 +41,8 @@ def test_defaults_load_and_derive():
     assert cfg.prompts_per_step == cfg.batch_size // cfg.group_size == 8
     assert cfg.clip_eps_high_eff == cfg.clip_eps
     assert load_config(overrides=["--clip_eps_high=0.28"]).clip_eps_high_eff == 0.28
+    weights = load_config(overrides=["--wrong_penalty=-0.1"]).reward_weights
+    assert weights["wrong_penalty"] == -0.1 and weights["format_weight"] == 0.1 and len(weights) == 8
 
 
 def test_run_file_then_overrides_apply_last(tmp_path, capsys):
@@ -50,6 +52,8 @@ def test_run_file_then_overrides_apply_last(tmp_path, capsys):
     assert cfg.batch_size == 128 and cfg.prompts_per_step == 32
     assert cfg.lr == 1.0 and type(cfg.lr) is float  # an int may stand for a float
     assert cfg.adam_betas == (0.9, 0.95)
+    assert load_config(overrides=["--math_kinds=add,sub"]).math_kinds == ("add", "sub")
+    assert load_config(overrides=["--countdown_numbers=4"]).countdown_numbers == (4,)
     out = capsys.readouterr().out
     assert "override: group_size = 4" in out and "override: adam_betas = (0.9, 0.95)" in out
 
@@ -77,7 +81,11 @@ def test_unknown_keys_name_the_closest_valid_key(tmp_path):
         ("--group_size=eight", "cannot parse as int"),
         ("--lr=fast", "cannot parse as float"),
         ("--gradient_checkpointing=maybe", "cannot parse as bool"),
-        ("--adam_betas=0.9", "must have 2 items"),
+        ("--adam_betas=0.9", "must be two numbers"),
+        ("--adam_betas=0.9,fast", "must hold float items"),
+        ("--math_kinds=add,integrals", "choose from"),
+        ("--task=gsm8k", "choose 'countdown', 'math', or the path of an existing .jsonl file"),
+        ("--countdown_numbers=3,9", "use counts from 2 to 6"),
         ("group_size=4", "must look like --key=value"),
     ],
 )

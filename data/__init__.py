@@ -1,0 +1,1 @@
+"""Task data: Countdown and math generators, a JSONL loader, and the prompt samplers."""

@@ -1,0 +1,78 @@
+"""A small math set made locally (nothing can be downloaded): arithmetic and algebra word problems.
+
+Every problem has an exact answer (an integer or a fraction in lowest terms, as a string), checked by
+rewards.math_reward. Each kind is a small function that draws numbers and returns the question and its answer.
+"""
+
+import random
+from fractions import Fraction
+
+from data.split import in_split
+
+PROMPT = (
+    "{question} Think step by step inside <think> </think> tags, then give the final answer as "
+    "\\boxed{{...}} inside <answer> </answer> tags, for example <think> ... </think><answer>\\boxed{{42}}</answer>."
+)
+
+
+def _fmt(x):
+    x = Fraction(x)
+    return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
+
+
+# Each kind: (rng, max_number) -> (question, exact answer).
+
+
+def _add(r, m):
+    a, b = r.randint(10, m), r.randint(10, m)
+    return f"What is {a} + {b}?", a + b
+
+
+def _sub(r, m):
+    a, b = sorted((r.randint(10, m), r.randint(10, m)))
+    return f"What is {b} - {a}?", b - a
+
+
+def _order_of_ops(r, m):
+    a, b, c = r.randint(2, m), r.randint(2, 12), r.randint(2, 12)
+    return f"What is {a} + {b} * {c}?", a + b * c
+
+
+def _linear(r, m):
+    a, b, c = r.randint(2, 12), r.randint(1, m), r.randint(1, m)
+    return f"Solve for x: {a}x + {b} = {c}.", Fraction(c - b, a)
+
+
+def _fractions(r, m):
+    a, b, c, d = r.randint(1, 9), r.randint(2, 9), r.randint(1, 9), r.randint(2, 9)
+    return f"What is {a}/{b} + {c}/{d}? Give the answer as a fraction in lowest terms.", Fraction(a, b) + Fraction(c, d)
+
+
+def _cookies(r, m):
+    a, b, c = r.randint(2, 9), r.randint(6, 24), r.randint(1, 12)
+    return f"A baker makes {a} trays of {b} cookies each and sells {c} cookies. How many cookies are left?", a * b - c
+
+
+def _area(r, m):
+    a, b = r.randint(2, m), r.randint(2, m)
+    return f"A rectangle is {a} cm long and {b} cm wide. What is its area in square centimetres?", a * b
+
+
+KINDS = {"add": _add, "sub": _sub, "order_of_ops": _order_of_ops, "linear": _linear, "fractions": _fractions,
+         "cookies": _cookies, "area": _area}
+
+
+def math_problems(split, n, seed=0, kinds=tuple(KINDS), max_number=99):
+    """The first n distinct problems of `split` from the stream seeded by `seed`; kinds and max_number set difficulty."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown math kinds {sorted(unknown)}; choose from {sorted(KINDS)}")
+    rng, seen, out = random.Random(seed), set(), []
+    while len(out) < n:
+        question, answer = KINDS[rng.choice(kinds)](rng, max_number)
+        key = f"math:{question}"
+        if key in seen or not in_split(key, split):
+            continue
+        seen.add(key)
+        out.append({"id": key, "task": "math", "prompt": PROMPT.format(question=question), "answer": _fmt(answer)})
+    return out

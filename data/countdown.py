@@ -1,0 +1,56 @@
+"""Countdown problems (SPEC D1): 3-4 numbers and a target, every one solvable by construction.
+
+A problem is made by drawing the numbers, then combining them at random, each exactly once, with
++ - * / until one value is left; if that value is a whole number in range it becomes the target and
+the expression is kept as a known solution. So no problem is ever unsolvable.
+"""
+
+import random
+from fractions import Fraction
+
+from data.split import in_split
+
+PROMPT = (
+    "Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
+    "arithmetic operations (+, -, *, /) and parentheses, and each number must be used exactly once. "
+    "Think step by step inside <think> </think> tags, then give only the equation inside "
+    "<answer> </answer> tags, for example <think> ... </think><answer>(1 + 2) / 3</answer>."
+)
+
+OPS = {"+": Fraction.__add__, "-": Fraction.__sub__, "*": Fraction.__mul__, "/": Fraction.__truediv__}
+
+
+def random_solution(numbers, rng):
+    """Combine all `numbers` with random ops: (exact value, expression), or None after a division by 0."""
+    items = [(Fraction(n), str(n)) for n in numbers]
+    while len(items) > 1:
+        (a, a_expr), (b, b_expr) = items.pop(rng.randrange(len(items))), items.pop(rng.randrange(len(items)))
+        op = rng.choice("+-*/")
+        if op == "/" and b == 0:
+            return None
+        items.append((OPS[op](a, b), f"({a_expr} {op} {b_expr})"))
+    value, expr = items[0]
+    return value, expr[1:-1] if expr.startswith("(") else expr
+
+
+def countdown_problems(split, n, seed=0, num_counts=(3, 4), max_number=99, max_target=100):
+    """The first n distinct problems of `split` ("train" or "test") from the stream seeded by `seed`.
+
+    Difficulty knobs: num_counts (how many numbers, drawn per problem), max_number (numbers are
+    1..max_number), max_target (targets are 1..max_target). Same arguments, same problems.
+    """
+    rng, seen, out = random.Random(seed), set(), []
+    while len(out) < n:
+        numbers = [rng.randint(1, max_number) for _ in range(rng.choice(num_counts))]
+        made = random_solution(numbers, rng)
+        if made is None or made[0].denominator != 1 or not 1 <= made[0] <= max_target:
+            continue
+        target, solution = int(made[0]), made[1]
+        key = f"countdown:{sorted(numbers)}:{target}"
+        if key in seen or not in_split(key, split):
+            continue
+        seen.add(key)
+        prompt = PROMPT.format(numbers=numbers, target=target)
+        out.append({"id": key, "task": "countdown", "prompt": prompt, "numbers": numbers, "target": target,
+                    "solution": solution})
+    return out

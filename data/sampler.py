@@ -1,0 +1,91 @@
+"""Which prompts go into each step: shuffled epochs (D3), or a difficulty curriculum (D2).
+
+Both samplers hand out prompt indices, are deterministic given their seed and history, and save
+and restore their whole state through state_dict / load_state_dict (it goes in every checkpoint),
+so a resumed run sees exactly the prompts it would have seen.
+"""
+
+import random
+
+
+class PromptSampler:
+    """D3: every prompt once per epoch, in an order shuffled from (seed, epoch)."""
+
+    def __init__(self, num_prompts, seed):
+        self.num_prompts, self.seed = num_prompts, seed
+        self.epoch, self.pos = 0, 0
+
+    def sample(self, k):
+        """The next k prompt indices."""
+        out = []
+        while len(out) < k:
+            order = list(range(self.num_prompts))
+            random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
+            take = order[self.pos : self.pos + k - len(out)]
+            out += take
+            self.pos += len(take)
+            if self.pos == self.num_prompts:
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def update(self, ids, pass_rates):
+        """Pass rates do not change a plain shuffle (the curriculum sampler uses them)."""
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+class CurriculumSampler:
+    """D2: sample easy:medium:hard prompts 1:2:3 by their recent pass rate, the hard share ramped in.
+
+    A prompt's pass rate is an exponential moving average of its groups' pass rates (weight `alpha`
+    on the newest). easy: rate > easy_above; hard: rate < hard_below; medium otherwise, and a prompt
+    never seen counts as medium. The hard weight grows linearly from 0 to its full value over
+    `ramp_steps` calls (000 sec. 3.8: jumping straight to mostly hard prompts destabilises training).
+    """
+
+    def __init__(self, num_prompts, seed, *, easy_above=0.8, hard_below=0.2, weights=(1, 2, 3), ramp_steps=100,
+                 alpha=0.5):
+        self.num_prompts, self.seed = num_prompts, seed
+        self.easy_above, self.hard_below, self.weights = easy_above, hard_below, weights
+        self.ramp_steps, self.alpha = ramp_steps, alpha
+        self.pass_rate = {}  # prompt index -> EMA of its pass rate
+        self.calls = 0
+
+    def bucket(self, i):
+        rate = self.pass_rate.get(i)
+        if rate is None or self.hard_below <= rate <= self.easy_above:
+            return 1  # medium
+        return 0 if rate > self.easy_above else 2  # easy or hard
+
+    def sample(self, k):
+        """k distinct prompt indices (fewer only if there are fewer than k prompts in all)."""
+        rng = random.Random(f"{self.seed}:{self.calls}")  # deterministic from the seed and the history
+        buckets = [[], [], []]
+        for i in range(self.num_prompts):
+            buckets[self.bucket(i)].append(i)
+        ramp = min(1.0, self.calls / self.ramp_steps) if self.ramp_steps else 1.0
+        weights = [self.weights[0], self.weights[1], self.weights[2] * ramp]
+        out = []
+        for _ in range(min(k, self.num_prompts)):
+            live = [b for b in range(3) if buckets[b] and weights[b] > 0] or [b for b in range(3) if buckets[b]]
+            b = rng.choices(live, weights=[weights[b] or 1 for b in live])[0]
+            out.append(buckets[b].pop(rng.randrange(len(buckets[b]))))
+        self.calls += 1
+        return out
+
+    def update(self, ids, pass_rates):
+        """Fold each prompt's newest group pass rate into its moving average."""
+        for i, rate in zip(ids, pass_rates):
+            old = self.pass_rate.get(i)
+            self.pass_rate[i] = rate if old is None else self.alpha * rate + (1 - self.alpha) * old
+
+    def state_dict(self):
+        return {"calls": self.calls, "pass_rate": {str(i): r for i, r in self.pass_rate.items()}}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+        self.pass_rate = {int(i): r for i, r in state["pass_rate"].items()}

@@ -1,0 +1,425 @@
+"""Rule-based verifiers (SPEC W1-W6): Countdown, math and code, plus shaping and offline replay.
+
+A policy finds every hole in a reward, so every verifier here assumes adversarial input: answers
+are found with str.rfind (no regex that can backtrack for minutes on 100 KB of tags), Countdown
+expressions are parsed with `ast` and evaluated by our own 15-line tree walk (never `eval`),
+sympy runs in a child process with a deadline, and code runs in a sandbox process.
+
+Per completion, each verifier returns a dict of components, all floats:
+    format   1.0 if the text is exactly <think>...</think><answer>...</answer> with a non-empty answer (W2)
+    parsed   1.0 if an answer was found and is well-formed for the task
+    correct  1.0 / 0.0 (code: the fraction of tests passed)
+`score_batch` turns the components into one shaped reward per completion (W2-W3).
+
+    python rewards.py --replay out/run/samples.jsonl   # re-score saved rollouts, print disagreements (W5)
+"""
+
+import ast
+import json
+import math
+import multiprocessing
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from fractions import Fraction
+
+import torch
+
+MAX_ANSWER_CHARS = 256  # longer answers are not parsed at all: no real answer here is that long
+
+
+# ---------------------------------------------------------------- extraction and format (W2, W4)
+
+
+def extract_answer(text):
+    """The content of the last <answer>...</answer> that is not inside a think block, stripped; else None.
+
+    Nested or repeated tags cannot score twice: only the last closing tag and the nearest opening
+    tag before it count, so '<answer><answer>1</answer></answer>' yields '1</answer>', which no
+    verifier accepts (W4).
+    """
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start < 0:
+        return None
+    if text.rfind("<think>", 0, start) > text.rfind("</think>", 0, start):
+        return None  # an answer inside an unclosed think block is thinking, not answering
+    return text[start + len("<answer>") : end].strip()
+
+
+def has_format(text):
+    """W2: exactly one <think>...</think> then exactly one non-empty <answer>...</answer>, nothing after."""
+    t = text.strip()
+    if not (t.startswith("<think>") and t.endswith("</answer>")):
+        return False
+    if any(t.count(tag) != 1 for tag in ("<think>", "</think>", "<answer>", "</answer>")):
+        return False
+    think_end, answer_start = t.index("</think>") + len("</think>"), t.index("<answer>")
+    if think_end > answer_start or t[think_end:answer_start].strip():
+        return False
+    return extract_answer(t) not in (None, "")  # W4: empty answer, no credit
+
+
+# ---------------------------------------------------------------- Countdown (W1)
+
+COUNTDOWN_CHARS = re.compile(r"[0-9+\-*/() ]+")  # ASCII only: \d would also match unicode digits
+COUNTDOWN_OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__, ast.Div: Fraction.__truediv__}
+
+
+def _countdown_eval(node, numbers):
+    """Exact value of an ast of integer literals and binary + - * /; appends each literal to `numbers`.
+
+    Raises ValueError on anything else (names, calls, **, //, unary minus, floats).
+    """
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        numbers.append(node.value)
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in COUNTDOWN_OPS:
+        left, right = _countdown_eval(node.left, numbers), _countdown_eval(node.right, numbers)
+        return COUNTDOWN_OPS[type(node.op)](left, right)  # ZeroDivisionError on x / 0
+    raise ValueError(f"not allowed in Countdown: {type(node).__name__}")
+
+
+def countdown_reward(text, numbers, target):
+    """Countdown: the answer uses each given number exactly once with + - * / ( ), and equals target.
+
+    Example: countdown_reward("<think>..</think><answer>(6 - 2) * 5</answer>", [2, 5, 6], 20)
+    -> {"format": 1.0, "parsed": 1.0, "numbers_valid": 1.0, "correct": 1.0}
+    """
+    out = {"format": float(has_format(text)), "parsed": 0.0, "numbers_valid": 0.0, "correct": 0.0}
+    answer = extract_answer(text)
+    if not answer or len(answer) > MAX_ANSWER_CHARS:
+        return out
+    answer = " ".join(answer.split())  # newlines and tabs inside the tag are just spaces
+    if not COUNTDOWN_CHARS.fullmatch(answer):
+        return out
+    used = []
+    try:
+        value = _countdown_eval(ast.parse(answer, mode="eval").body, used)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return out  # malformed, or an operation Countdown does not allow
+    except ZeroDivisionError:
+        value = None  # a well-formed equation that divides by zero: parsed, but cannot be correct
+    out["parsed"] = 1.0
+    out["numbers_valid"] = float(sorted(used) == sorted(numbers))
+    if out["numbers_valid"] and value is not None:
+        out["correct"] = float(abs(value - target) < Fraction(1, 100000))  # within 1e-5 (W1)
+    return out
+
+
+# ---------------------------------------------------------------- math (W1)
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} with balanced braces, or None (unbalanced counts as none)."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = start + len("\\boxed")
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j].strip()
+    return None
+
+
+LATEX_REPLACEMENTS = [
+    (r"\\[dt]frac", r"\\frac"), (r"\\left|\\right|\\!|\\,|\\;|\$", ""), (r"\\text\{[^{}]*\}", ""),
+    (r"\\cdot|\\times", "*"), (r"\\pi", "pi"), (r"\^", "**"), (r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)"),
+]
+
+
+def normalize_math(s):
+    """LaTeX-ish answer -> a plain expression string: '\\frac{1}{2}' -> '(1)/(2)', '1,000' -> '1000'."""
+    s = s.strip().rstrip(".")
+    for pattern, repl in LATEX_REPLACEMENTS:
+        s = re.sub(pattern, repl, s)
+    while "\\frac{" in s:  # innermost first: \frac{a}{b} with brace-free a and b
+        new = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
+        if new == s:
+            break
+        s = new
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    s = s.replace(" ", "")
+    return re.sub(r"(?<=[\d)])(?=[a-z(])", "*", s)  # implicit products: 2x -> 2*x, (a)(b) -> (a)*(b)
+
+
+def as_fraction(s):
+    """'3', '-0.25', '(1)/(2)', '7/2' -> Fraction, else None. The fast, exact path before sympy."""
+    m = re.fullmatch(r"\(?(-?\d+(?:\.\d+)?)\)?(?:/\(?(-?\d+(?:\.\d+)?)\)?)?", s)
+    if not m:
+        return None
+    num, den = Fraction(m.group(1)), Fraction(m.group(2) or 1)
+    return num / den if den else None
+
+
+SYMPY_NAMES = {"sqrt", "pi", "x", "y", "z", "n", "a", "b", "c", "k"}
+
+
+def _sympy_equal(a, b, conn):
+    """Child process: send whether a - b simplifies to 0."""
+    import sympy
+
+    try:
+        diff = sympy.sympify(a, locals={}) - sympy.sympify(b, locals={})
+        conn.send(bool(sympy.simplify(diff) == 0))
+    except Exception:
+        conn.send(False)
+
+
+def symbolic_equal(a, b, timeout=2.0):
+    """a == b by sympy, in a forked child killed after `timeout` s (sympy can hang on adversarial input)."""
+    for s in (a, b):  # sympify evaluates Python: admit only arithmetic and a few known names
+        if len(s) > 100 or not re.fullmatch(r"[0-9a-z+\-*/().]*", s) or "__" in s:
+            return False
+        if set(re.findall(r"[a-z]+", s)) - SYMPY_NAMES:
+            return False
+    import sympy  # noqa: F401  (imported before the fork, so the child never imports under a lock)
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_sympy_equal, args=(a, b, child), daemon=True)
+    proc.start()
+    result = parent.recv() if parent.poll(timeout) else False
+    proc.kill()
+    proc.join()
+    return result
+
+
+def math_reward(text, answer):
+    """Math: the last \\boxed{} (else the <answer> content) equals `answer`, exactly or by sympy.
+
+    Example: math_reward("<think>..</think><answer>\\boxed{\\frac{1}{2}}</answer>", "0.5")
+    -> {"format": 1.0, "parsed": 1.0, "correct": 1.0}
+    """
+    out = {"format": float(has_format(text)), "parsed": 0.0, "correct": 0.0}
+    tagged = extract_answer(text)
+    given = last_boxed(tagged if tagged is not None else text)
+    if given is None:
+        given = tagged
+    if not given or len(given) > MAX_ANSWER_CHARS:
+        return out  # W4: an empty \boxed{} or <answer> scores nothing
+    out["parsed"] = 1.0
+    got, want = normalize_math(given), normalize_math(str(answer))
+    fa, fb = as_fraction(got), as_fraction(want)
+    if fa is not None and fb is not None:
+        out["correct"] = float(fa == fb)
+    else:
+        out["correct"] = float(got == want or symbolic_equal(got, want))
+    return out
+
+
+# ---------------------------------------------------------------- code (W1)
+
+
+def last_code_block(text):
+    """The last ```...``` block with its language line dropped, or None (rfind: linear on any input)."""
+    end = text.rfind("```")
+    start = text.rfind("```", 0, end) if end >= 0 else -1
+    if start < 0:
+        return None
+    first_line, _, body = text[start + 3 : end].partition("\n")
+    return body if first_line.strip() in ("", "python", "py", "python3") else None
+
+# Runs inside the sandbox. The job (code, tests, a secret nonce) arrives on stdin, so nothing is
+# written to disk. User output goes to /dev/null; results go to a private copy of stdout, each line
+# carrying the nonce, so code that exits early or prints fake results cannot pass a test it did not run.
+HARNESS = r"""
+import json, os, resource, sys
+job = json.loads(sys.stdin.read())
+out = os.fdopen(os.dup(1), "w")
+null = os.open(os.devnull, os.O_WRONLY)
+os.dup2(null, 1); os.dup2(null, 2)
+for name, limit in job["limits"].items():
+    resource.setrlimit(getattr(resource, name), (limit, limit))
+exact = type
+def plain(x):  # exact builtin types only: an object whose __eq__ always says True is not a result
+    if exact(x) in (int, float, str, bool, type(None)): return x
+    if exact(x) in (list, tuple): return [plain(v) for v in x]
+    if exact(x) is dict and all(exact(k) is str for k in x): return {k: plain(v) for k, v in x.items()}
+    raise TypeError("not a plain value")
+scope = {"__name__": "__main__"}
+try:
+    exec(compile(job["code"], "solution.py", "exec"), scope); loaded = True
+except BaseException:
+    loaded = False
+for i, test in enumerate(job["tests"]):
+    try:
+        if isinstance(test, str):
+            exec(compile(test, f"test_{i}", "exec"), scope); result = True
+        else:
+            result = plain(eval(compile(test["call"], f"test_{i}", "eval"), scope))
+    except BaseException:
+        result = None
+    out.write(json.dumps([job["nonce"], i, result if loaded else None]) + "\n"); out.flush()
+"""
+
+
+def _sandbox_prefix():
+    """Network, PID and mount namespaces, a private /tmp, and (as root) uid nobody; [] where unavailable."""
+    if not shutil.which("unshare"):
+        return []
+    user = [] if os.geteuid() == 0 else ["--map-root-user"]
+    drop = "exec setpriv --reuid=65534 --regid=65534 --clear-groups" if os.geteuid() == 0 else "exec"
+    # --kill-child + --pid: when the sandbox's first process dies, the kernel kills all it forked
+    inner = f'for d in /tmp /var/tmp /dev/shm; do mount -t tmpfs -o size=64m tmpfs $d; done; cd /tmp && {drop} "$@"'
+    prefix = ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", inner, "sandbox"]
+    works = subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0
+    if not works:
+        print("warning: unshare is not permitted here; code rewards run without network/PID isolation")
+    return prefix if works else []
+
+
+_SANDBOX = None
+
+
+def run_tests(code, tests, timeout=5.0, memory_mb=512):
+    """Run `code` then each test in the sandbox; returns a list of per-test results (None = failed)."""
+    global _SANDBOX
+    if _SANDBOX is None:
+        _SANDBOX = _sandbox_prefix()
+    nonce = secrets.token_hex(16)
+    limits = {"RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": 1 << 20, "RLIMIT_NPROC": 64, "RLIMIT_CORE": 0,
+              "RLIMIT_CPU": math.ceil(timeout) + 1}
+    job = json.dumps({"code": code, "tests": tests, "nonce": nonce, "limits": limits})
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}  # no secrets from our environment
+    cmd = [*_SANDBOX, sys.executable, "-I", "-c", HARNESS]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=env, cwd="/tmp", start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(job.encode(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout = b""  # W1: a timeout scores 0 for every test
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)  # the whole group; --kill-child then takes down the sandbox
+        proc.wait()
+    results = [None] * len(tests)
+    for line in stdout.decode(errors="replace").splitlines():
+        try:
+            tag, i, result = json.loads(line)
+        except (ValueError, TypeError):
+            continue
+        if tag == nonce and type(i) is int and 0 <= i < len(tests):
+            results[i] = result
+    return results
+
+
+def code_reward(text, tests, timeout=5.0):
+    """Code: run the last ```python block against `tests`; correct = fraction passed (W1).
+
+    tests: a list of assert statements ("assert add(1, 2) == 3"), or of {"call": "add(1, 2)",
+    "expected": 3} checked exactly (type and value) outside the sandbox. Prefer the second form for
+    training: an assert can be fooled by a returned object whose __eq__ always says True.
+    """
+    out = {"format": float(has_format(text)), "parsed": 0.0, "correct": 0.0}
+    code = last_code_block(extract_answer(text) or text)
+    if not code or not tests:
+        return out
+    out["parsed"] = 1.0
+    results = run_tests(code, tests, timeout)
+    passed = [
+        (r is True) if isinstance(t, str) else (r is not None and r == json.loads(json.dumps(t["expected"])))
+        for t, r in zip(tests, results)
+    ]
+    out["correct"] = sum(passed) / len(tests)
+    return out
+
+
+# ---------------------------------------------------------------- the batch scorer (W2, W3)
+
+
+def score_one(text, problem):
+    """Dispatch on problem["task"] to the verifier; returns its components."""
+    task = problem["task"]
+    if task == "countdown":
+        return countdown_reward(text, problem["numbers"], problem["target"])
+    if task == "math":
+        return math_reward(text, problem["answer"])
+    if task == "code":
+        return code_reward(text, problem["tests"])
+    raise ValueError(f"unknown task {task!r}; expected countdown, math or code")
+
+
+def shape_reward(c, length, *, format_weight=0.1, correct_weight=1.0, wrong_penalty=0.0, unparsed_penalty=0.0,
+                 length_soft_limit=0, length_penalty=0.05, length_penalty_tokens=32, length_min=0):
+    """One scalar from the components and the completion length in tokens.
+
+    W2: correct_weight * correct + format_weight * format; a parseable but wrong answer adds
+        wrong_penalty (small, e.g. -0.1), an unparseable one unparsed_penalty (larger, e.g. -0.5).
+        (002 gives 0.4 when the answer tag is missing, rewarding the missing answer; not here.)
+    W3: past length_soft_limit tokens, -length_penalty per length_penalty_tokens started;
+        below length_min tokens the reward is 0. Both 0 = off.
+    Example: correct, well formatted, 100 tokens, defaults -> 1.1.
+    """
+    reward = correct_weight * c["correct"] + format_weight * c["format"]
+    if c["parsed"] and c["correct"] < 1:
+        reward += wrong_penalty
+    if not c["parsed"]:
+        reward += unparsed_penalty
+    if length_soft_limit and length > length_soft_limit:
+        reward -= length_penalty * math.ceil((length - length_soft_limit) / length_penalty_tokens)
+    if length_min and length < length_min:
+        reward = 0.0
+    return reward
+
+
+def score_batch(texts, problems, lengths, **weights):
+    """Score N completions. Returns (rewards (N,) float32, {component: (N,) float32}).
+
+    texts: N completion strings; problems: N problem dicts (the problem of each completion);
+    lengths: N completion lengths in tokens; weights: shape_reward's keyword arguments.
+    """
+    components = [score_one(t, p) for t, p in zip(texts, problems)]
+    rewards = [shape_reward(c, n, **weights) for c, n in zip(components, lengths)]
+    names = sorted({k for c in components for k in c})
+    per_component = {k: torch.tensor([c.get(k, 0.0) for c in components]) for k in names}
+    return torch.tensor(rewards, dtype=torch.float32), per_component
+
+
+# ---------------------------------------------------------------- offline replay (W5)
+
+
+def replay(path):
+    """Re-score every saved rollout in a JSONL file; print each disagreement and a summary.
+
+    Each line: {"problem": {...}, "completion": str, "components": {...}, and optionally "reward",
+    "length", "weights" (shape_reward kwargs) and "label" (a human's correct/incorrect, 1 or 0)}.
+    Returns the number of disagreements.
+    """
+    rows, disagreements = 0, 0
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            rows += 1
+            fresh = score_one(rec["completion"], rec["problem"])
+            checks = {k: (v, fresh.get(k)) for k, v in rec.get("components", {}).items()}
+            if "reward" in rec:
+                again = shape_reward(fresh, rec.get("length", 0), **rec.get("weights", {}))
+                checks["reward"] = (rec["reward"], again)
+            if "label" in rec:
+                checks["label"] = (rec["label"], fresh["correct"])
+            for key, (stored, now) in checks.items():
+                if now is None or abs(float(stored) - float(now)) > 1e-6:
+                    disagreements += 1
+                    print(f"line {lineno}: {key} stored {stored} != re-scored {now}")
+                    print(f"    completion: {rec['completion'][-200:]!r}")
+    print(f"replayed {rows} rollouts from {path}: {disagreements} disagreements")
+    return disagreements
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--replay":
+        sys.exit("usage: python rewards.py --replay FILE.jsonl")
+    sys.exit(1 if replay(sys.argv[2]) else 0)
