@@ -72,14 +72,17 @@ COUNTDOWN_OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult:
 def _countdown_eval(node, numbers):
     """Exact value of an ast of integer literals and binary + - * /; appends each literal to `numbers`.
 
-    Raises ValueError on anything else (names, calls, **, //, unary minus, floats).
+    Returns None if the tree divides by zero anywhere (after visiting every literal, so the numbers
+    are still checked). Raises ValueError on anything else (names, calls, **, //, unary minus, floats).
     """
     if isinstance(node, ast.Constant) and type(node.value) is int:
         numbers.append(node.value)
         return Fraction(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in COUNTDOWN_OPS:
         left, right = _countdown_eval(node.left, numbers), _countdown_eval(node.right, numbers)
-        return COUNTDOWN_OPS[type(node.op)](left, right)  # ZeroDivisionError on x / 0
+        if left is None or right is None or (type(node.op) is ast.Div and right == 0):
+            return None
+        return COUNTDOWN_OPS[type(node.op)](left, right)
     raise ValueError(f"not allowed in Countdown: {type(node).__name__}")
 
 
@@ -101,9 +104,7 @@ def countdown_reward(text, numbers, target):
         value = _countdown_eval(ast.parse(answer, mode="eval").body, used)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return out  # malformed, or an operation Countdown does not allow
-    except ZeroDivisionError:
-        value = None  # a well-formed equation that divides by zero: parsed, but cannot be correct
-    out["parsed"] = 1.0
+    out["parsed"] = 1.0  # a well-formed equation; one that divides by zero (value None) cannot be correct
     out["numbers_valid"] = float(sorted(used) == sorted(numbers))
     if out["numbers_valid"] and value is not None:
         out["correct"] = float(abs(value - target) < Fraction(1, 100000))  # within 1e-5 (W1)
@@ -207,7 +208,7 @@ def math_reward(text, answer):
     if given is None:
         given = tagged
     if not given or len(given) > MAX_ANSWER_CHARS:
-        return out  # W4: an empty \boxed{} or <answer> scores nothing
+        return {**out, "format": 0.0}  # W4: an empty \boxed{} or <answer> scores nothing, not even format
     out["parsed"] = 1.0
     got, want = normalize_math(given), normalize_math(str(answer))
     fa, fb = as_fraction(got), as_fraction(want)
@@ -253,14 +254,15 @@ try:
 except BaseException:
     loaded = False
 for i, test in enumerate(job["tests"]):
+    ok, value = loaded, None
     try:
-        if isinstance(test, str):
-            exec(compile(test, f"test_{i}", "exec"), scope); result = True
-        else:
-            result = plain(eval(compile(test["call"], f"test_{i}", "eval"), scope))
+        if ok and isinstance(test, str):
+            exec(compile(test, f"test_{i}", "exec"), scope)
+        elif ok:
+            value = plain(eval(compile(test["call"], f"test_{i}", "eval"), scope))
     except BaseException:
-        result = None
-    out.write(json.dumps([job["nonce"], i, result if loaded else None]) + "\n"); out.flush()
+        ok = False
+    out.write(json.dumps([job["nonce"], i, ok, value]) + "\n"); out.flush()
 """
 
 
@@ -283,7 +285,7 @@ _SANDBOX = None
 
 
 def run_tests(code, tests, timeout=5.0, memory_mb=512):
-    """Run `code` then each test in the sandbox; returns a list of per-test results (None = failed)."""
+    """Run `code` then each test in the sandbox; returns per test (ran without error, returned value)."""
     global _SANDBOX
     if _SANDBOX is None:
         _SANDBOX = _sandbox_prefix()
@@ -303,14 +305,14 @@ def run_tests(code, tests, timeout=5.0, memory_mb=512):
         if proc.poll() is None:
             os.killpg(proc.pid, 9)  # the whole group; --kill-child then takes down the sandbox
         proc.wait()
-    results = [None] * len(tests)
+    results = [(False, None)] * len(tests)  # a test without a result line did not pass
     for line in stdout.decode(errors="replace").splitlines():
         try:
-            tag, i, result = json.loads(line)
+            tag, i, ok, value = json.loads(line)
         except (ValueError, TypeError):
             continue
         if tag == nonce and type(i) is int and 0 <= i < len(tests):
-            results[i] = result
+            results[i] = (ok is True, value)
     return results
 
 
@@ -327,10 +329,8 @@ def code_reward(text, tests, timeout=5.0):
         return out
     out["parsed"] = 1.0
     results = run_tests(code, tests, timeout)
-    passed = [
-        (r is True) if isinstance(t, str) else (r is not None and r == json.loads(json.dumps(t["expected"])))
-        for t, r in zip(tests, results)
-    ]
+    passed = [ok and (isinstance(t, str) or value == json.loads(json.dumps(t["expected"])))  # tuples as lists
+              for t, (ok, value) in zip(tests, results)]
     out["correct"] = sum(passed) / len(tests)
     return out
 

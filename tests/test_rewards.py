@@ -1,0 +1,400 @@
+"""Verifiers on hand-written and adversarial input (SPEC W1-W6).   pytest tests/test_rewards.py"""
+
+import json
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rewards import (
+    code_reward,
+    countdown_reward,
+    extract_answer,
+    has_format,
+    last_boxed,
+    math_reward,
+    normalize_math,
+    replay,
+    score_batch,
+    shape_reward,
+)
+
+
+def A(answer):
+    """A well-formatted completion with this answer."""
+    return f"<think>Let me try a few combinations.</think>\n<answer>{answer}</answer>"
+
+
+N, T = [3, 5, 7], 22  # 3 * 5 + 7 = 22
+OK = (1, 1, 1, 1)  # (format, parsed, numbers_valid, correct)
+WRONG_NUMBERS = (1, 1, 0, 0)
+WRONG_VALUE = (1, 1, 1, 0)
+REJECTED = (1, 0, 0, 0)  # well formatted, but not a Countdown equation
+NOTHING = (0, 0, 0, 0)
+
+COUNTDOWN_CASES = [
+    # correct answers in many spellings
+    ("plain", A("3*5+7"), N, T, OK),
+    ("spaces", A("3 * 5 + 7"), N, T, OK),
+    ("reordered", A("7 + 5 * 3"), N, T, OK),
+    ("parens", A("(3 * 5) + 7"), N, T, OK),
+    ("double parens", A("((3 * 5) + 7)"), N, T, OK),
+    ("padded", A("   3*5+7   "), N, T, OK),
+    ("newline inside", A("3*5\n+ 7"), N, T, OK),
+    ("tabs and newlines", A("\n\t7+3*5\t\n"), N, T, OK),
+    ("non-breaking space", A("3\u00a0*\u00a05 + 7"), N, T, OK),
+    ("ten parens", A("(" * 10 + "3*5+7" + ")" * 10), N, T, OK),
+    ("division", A("8 / 4 * 6"), [4, 6, 8], 12, OK),
+    ("fractional intermediate", A("6 / (4 / 8)"), [4, 6, 8], 12, OK),
+    ("four numbers", A("1*2*3*4"), [1, 2, 3, 4], 24, OK),
+    ("four numbers grouped", A("(1+2+3)*4"), [4, 3, 2, 1], 24, OK),
+    ("subtraction order", A("90 - (13 + 19)"), [13, 19, 90], 58, OK),
+    ("repeated given number", A("2*2+5"), [2, 2, 5], 9, OK),
+    ("empty think", "<think></think><answer>3*5+7</answer>", N, T, OK),
+    ("whitespace between blocks", "<think>a</think>\n\n<answer>3*5+7</answer>\n", N, T, OK),
+    # the right layout is needed for the format component only
+    ("no think block", "<answer>3*5+7</answer>", N, T, (0, 1, 1, 1)),
+    ("text after answer", A("3*5+7") + " Hope this helps!", N, T, (0, 1, 1, 1)),
+    ("text between blocks", "<think>a</think> So: <answer>3*5+7</answer>", N, T, (0, 1, 1, 1)),
+    ("two answer tags, last right", A("3+5+7") + "<answer>3*5+7</answer>", N, T, (0, 1, 1, 1)),
+    ("two answer tags, last wrong", "<think>a</think><answer>3*5+7</answer><answer>3+5+7</answer>", N, T, (0, 1, 1, 0)),
+    ("answer in think and after", "<think><answer>3+5+7</answer></think><answer>3*5+7</answer>", N, T, (0, 1, 1, 1)),
+    # wrong values with the right numbers
+    ("sum", A("3+5+7"), N, T, WRONG_VALUE),
+    ("difference", A("3*5-7"), N, T, WRONG_VALUE),
+    ("product", A("(3+5)*7"), N, T, WRONG_VALUE),
+    ("fraction result", A("(3+5)/7"), N, T, WRONG_VALUE),
+    ("division by zero", A("5/(2-2)"), [2, 2, 5], 1, WRONG_VALUE),
+    ("integer division by zero", A("5/(2-2)*0"), [2, 2, 5, 0], 0, WRONG_VALUE),
+    # wrong, reused, missing or extra numbers
+    ("other number", A("2*11"), N, T, WRONG_NUMBERS),
+    ("number not given", A("3*5+8-1"), N, T, WRONG_NUMBERS),
+    ("reused number", A("3*5+7+3-3"), N, T, WRONG_NUMBERS),
+    ("reused instead of another", A("5*5-3"), N, T, WRONG_NUMBERS),
+    ("missing numbers", A("15+7"), N, T, WRONG_NUMBERS),
+    ("missing one of four", A("4*3*2"), [1, 2, 3, 4], 24, WRONG_NUMBERS),
+    ("extra zero", A("3*5+7+0"), N, T, WRONG_NUMBERS),
+    ("extra one", A("3*5+7*1"), N, T, WRONG_NUMBERS),
+    ("digits glued", A("35+7-20"), N, T, WRONG_NUMBERS),
+    ("duplicate given once", A("2*5"), [2, 2, 5], 10, WRONG_NUMBERS),
+    ("many numbers", A("*".join(["3"] * 100)), N, T, WRONG_NUMBERS),
+    # not a Countdown equation: forbidden characters or operations
+    ("decimal", A("3*5+7.0"), N, T, REJECTED),
+    ("decimal operand", A("2.5*4"), [2, 4], 10, REJECTED),
+    ("unary minus", A("-(-3*5)+7"), N, T, REJECTED),
+    ("unary plus", A("+3*5+7"), N, T, REJECTED),
+    ("double minus", A("7*3--5"), N, 26, REJECTED),
+    ("power", A("5**2-3"), N, T, REJECTED),
+    ("huge power tower", A("9**9**9**9"), [9, 9, 9, 9], 1, REJECTED),
+    ("floor division", A("7//5+3*7"), N, T, REJECTED),
+    ("modulo", A("3%5+7"), N, T, REJECTED),
+    ("xor", A("3^5+7"), N, T, REJECTED),
+    ("shift", A("3<<5"), N, T, REJECTED),
+    ("name", A("x+3"), N, T, REJECTED),
+    ("call", A("abs(3)*5+7"), N, T, REJECTED),
+    ("attribute access", A("(3).real*5+7"), N, T, REJECTED),
+    ("import", A("__import__('os').system('true')"), N, T, REJECTED),
+    ("lambda", A("(lambda: 22)()"), N, T, REJECTED),
+    ("boolean", A("True*22"), N, T, REJECTED),
+    ("equals sign", A("3*5+7 = 22"), N, T, REJECTED),
+    ("equation reversed", A("22 = 3*5+7"), N, T, REJECTED),
+    ("times sign", A("3×5+7"), N, T, REJECTED),
+    ("letter x as times", A("3x5+7"), N, T, REJECTED),
+    ("brackets", A("[3*5]+7"), N, T, REJECTED),
+    ("commas", A("3,5,7"), N, T, REJECTED),
+    ("tuple", A("(3, 5)"), N, T, REJECTED),
+    ("empty parens", A("()"), N, T, REJECTED),
+    ("leading zero", A("03*5+7"), N, T, REJECTED),
+    ("unbalanced open", A("(3*5+7"), N, T, REJECTED),
+    ("unbalanced close", A("3*5+7)"), N, T, REJECTED),
+    ("no operators", A("3 5 7"), N, T, REJECTED),
+    ("operator only", A("+"), N, T, REJECTED),
+    ("fullwidth digit", A("３*5+7"), N, T, REJECTED),
+    ("arabic-indic digit", A("٣*5+7"), N, T, REJECTED),
+    ("superscript digit", A("3*5+7²"), N, T, REJECTED),
+    ("deep nesting", A("(" * 300 + "3*5+7" + ")" * 300), N, T, REJECTED),
+    ("100 KB answer", A("1+" * 50_000 + "1"), N, T, REJECTED),
+    ("prose answer", A("The answer is 3*5+7"), N, T, REJECTED),
+    ("nested answer tags", "<think>a</think><answer><answer>3*5+7</answer></answer>", N, T, (0, 0, 0, 0)),
+    ("html entity", A("3*5&#43;7"), N, T, REJECTED),
+    # no answer at all
+    ("no tags", "3*5+7", N, T, NOTHING),
+    ("empty completion", "", N, T, NOTHING),
+    ("empty answer", "<think>a</think><answer></answer>", N, T, NOTHING),
+    ("blank answer", "<think>a</think><answer>  \n </answer>", N, T, NOTHING),
+    ("answer inside think only", "<think>maybe <answer>3*5+7</answer></think>", N, T, NOTHING),
+    ("unclosed think", "<think>so <answer>3*5+7</answer>", N, T, NOTHING),
+    ("unclosed answer", "<think>a</think><answer>3*5+7", N, T, NOTHING),
+    ("tags reversed", "<think>a</think></answer>3*5+7<answer>", N, T, NOTHING),
+    ("uppercase tags", "<think>a</think><ANSWER>3*5+7</ANSWER>", N, T, NOTHING),
+    ("spaced tags", "<think>a</think>< answer >3*5+7</ answer >", N, T, NOTHING),
+    ("answer before think end", "<think>a <answer>3*5+7</answer> b</think>", N, T, NOTHING),
+    ("100 KB of open tags", "<answer>" * 12_500, N, T, NOTHING),
+    ("100 KB of think tags", "<think>" * 7_000 + "<answer>3*5+7</answer>", N, T, NOTHING),
+]
+
+
+def test_at_least_sixty_countdown_cases():
+    assert len(COUNTDOWN_CASES) >= 60
+    assert len({name for name, *_ in COUNTDOWN_CASES}) == len(COUNTDOWN_CASES)
+
+
+@pytest.mark.parametrize("name, text, numbers, target, want", COUNTDOWN_CASES, ids=[c[0] for c in COUNTDOWN_CASES])
+def test_countdown(name, text, numbers, target, want):
+    start = time.perf_counter()
+    got = countdown_reward(text, numbers, target)
+    assert time.perf_counter() - start < 1.0  # generous: the whole table runs in milliseconds
+    assert (got["format"], got["parsed"], got["numbers_valid"], got["correct"]) == want
+
+
+def test_countdown_tolerance_is_1e5():
+    # targets are whole numbers, so exact fractions decide; a value 1/3 off is wrong
+    assert countdown_reward(A("7/3"), [7, 3], 2)["correct"] == 0.0
+    assert countdown_reward(A("(7+2)/3"), [7, 2, 3], 3)["correct"] == 1.0
+
+
+# ---------------------------------------------------------------- extraction helpers
+
+
+def test_extract_answer_and_format():
+    assert extract_answer("x <answer> 1 </answer> y <answer>\n2\n</answer>") == "2"
+    assert extract_answer("<think>a</think> no tags") is None
+    assert has_format("<think>a</think><answer>1</answer>")
+    assert not has_format("<think>a</think><answer></answer>")  # W4: empty answers get no format credit
+    assert not has_format("<think>a <answer>1</answer></think>")
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed(r"\boxed{1} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed {7}") == "7"
+    assert last_boxed(r"\boxed{\frac{1}{2}") is None
+    assert last_boxed(r"\boxed{}") == ""
+    assert last_boxed("no box") is None
+
+
+# ---------------------------------------------------------------- math
+
+
+def M(boxed):
+    return f"<think>work</think><answer>\\boxed{{{boxed}}}</answer>"
+
+
+MATH_EQUAL = [
+    (r"\frac{1}{2}", "0.5"),
+    ("1/2", r"\frac{1}{2}"),
+    ("0.50", "1/2"),
+    (r"\dfrac{3}{4}", "0.75"),
+    ("2", "2.0"),
+    ("-3", "-3"),
+    ("1,000", "1000"),
+    ("7/2", "3.5"),
+    ("$5$", "5"),
+    ("5.", "5"),
+    (r"-\frac{9}{4}", "-9/4"),
+    (r"\frac{-9}{4}", "-2.25"),
+    (r"12 \text{ cm}", "12"),
+    ("x^2+2x+1", "(x+1)^2"),
+    (r"\sqrt{4}", "2"),
+    (r"2\sqrt{2}", r"\sqrt{8}"),
+    (r"\frac{\pi}{2}", "pi/2"),
+    (r"3 \cdot 4", "12"),
+    (r"\left(1+2\right)", "3"),
+]
+
+MATH_NOT_EQUAL = [
+    ("1/3", "0.33"),
+    ("2", "3"),
+    ("x+1", "x+2"),
+    (r"\frac{1}{2}", r"\frac{1}{3}"),
+    ("1000", "1,001"),
+    ("-2", "2"),
+    ("__import__('os')", "0"),
+    ("x**x", "1"),
+]
+
+
+@pytest.mark.parametrize("given, answer", MATH_EQUAL)
+def test_math_equal(given, answer):
+    assert math_reward(M(given), answer) == {"format": 1.0, "parsed": 1.0, "correct": 1.0}
+
+
+@pytest.mark.parametrize("given, answer", MATH_NOT_EQUAL)
+def test_math_not_equal(given, answer):
+    assert math_reward(M(given), answer)["correct"] == 0.0
+
+
+def test_math_answer_sources_and_guards():
+    assert math_reward("<think>w</think><answer>42</answer>", "42")["correct"] == 1.0  # plain <answer>
+    assert math_reward(r"so the result is \boxed{42}", "42") == {"format": 0.0, "parsed": 1.0, "correct": 1.0}
+    # W4: an empty box scores nothing, not even format
+    assert math_reward(M(""), "0") == {"format": 0.0, "parsed": 0.0, "correct": 0.0}
+    assert math_reward("<think>w</think><answer></answer>", "0")["parsed"] == 0.0
+    assert math_reward(r"<think>w</think><answer>\boxed{7</answer>", "7")["correct"] == 0.0  # unbalanced
+    assert normalize_math(r"\frac{\frac{1}{2}}{3}") == "((1)/(2))/(3)"
+
+
+def test_math_time_bound_on_adversarial_input():
+    start = time.perf_counter()
+    got = math_reward(M("9^9^9^9^9"), "1")
+    assert got["correct"] == 0.0
+    assert time.perf_counter() - start < 4.0  # the sympy child is killed after 2 s
+
+
+# ---------------------------------------------------------------- code
+
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", {"call": "add(2, 3)", "expected": 5}]
+
+
+def C(code):
+    return f"<think>easy</think><answer>```python\n{code}\n```</answer>"
+
+
+def test_code_passing_and_failing():
+    assert code_reward(C("def add(a, b):\n    return a + b"), ADD_TESTS) == {"format": 1.0, "parsed": 1.0, "correct": 1.0}
+    assert code_reward(C("def add(a, b):\n    return abs(a) + b"), ADD_TESTS)["correct"] == pytest.approx(2 / 3)
+    assert code_reward(C("def add(a, b):\n    return a +"), ADD_TESTS)["correct"] == 0.0  # syntax error
+    assert code_reward("no code here", ADD_TESTS) == {"format": 0.0, "parsed": 0.0, "correct": 0.0}
+
+
+def test_code_infinite_loop_times_out():
+    start = time.perf_counter()
+    assert code_reward(C("def add(a, b):\n    while True: pass"), ADD_TESTS, timeout=2.0)["correct"] == 0.0
+    assert time.perf_counter() - start < 5.0
+
+
+def test_code_exiting_early_or_faking_results_scores_zero():
+    fake = 'import json, sys\nfor i in range(3): sys.__stdout__.write(json.dumps(["x", i, True]) + "\\n")\n'
+    assert code_reward(C("import os\nos._exit(0)"), ADD_TESTS)["correct"] == 0.0
+    assert code_reward(C("raise SystemExit(0)"), ADD_TESTS)["correct"] == 0.0
+    assert code_reward(C(fake + "def add(a, b): return 99"), ADD_TESTS)["correct"] == 0.0
+
+
+def test_always_equal_objects_do_not_pass_exact_tests():
+    code = "class Yes:\n    def __eq__(self, other): return True\ndef add(a, b):\n    return Yes()"
+    assert code_reward(C(code), [{"call": "add(2, 3)", "expected": 5}])["correct"] == 0.0
+    int_subclass = "class I(int):\n    def __eq__(self, o): return True\ndef add(a, b):\n    return I(0)"
+    assert code_reward(C(int_subclass), [{"call": "add(2, 3)", "expected": 5}])["correct"] == 0.0
+
+
+def test_code_fork_bomb_leaves_nothing_behind():
+    bomb = "import os\nfor _ in range(200):\n    try:\n        os.fork()\n    except OSError:\n        pass\ndef add(a, b): return a + b"
+    assert code_reward(C(bomb), ADD_TESTS, timeout=3.0)["correct"] == 1.0  # forks fail past RLIMIT_NPROC
+    deadline = time.time() + 5  # processes of a killed sandbox die asynchronously; none may outlive it
+    while subprocess.run(["pgrep", "-u", "65534"], capture_output=True).returncode == 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert subprocess.run(["pgrep", "-u", "65534"], capture_output=True).returncode == 1
+
+
+def test_code_cannot_write_outside_or_read_secrets(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_TEST_SECRET", "hunter2")
+    target = tmp_path / "escaped.txt"
+    code = (
+        "import os\n"
+        f"for path in [{str(target)!r}, '/tmp/grpo-escaped.txt', '../escaped.txt']:\n"
+        "    try:\n        open(path, 'w').write('x')\n    except OSError:\n        pass\n"
+        "def secret(): return os.environ.get('GRPO_TEST_SECRET')"
+    )
+    got = code_reward(C(code), [{"call": "secret()", "expected": None}])
+    assert got["correct"] == 1.0  # the secret is not in the sandbox's environment
+    assert not target.exists() and not os.path.exists("/tmp/grpo-escaped.txt")
+
+
+def test_code_has_no_network():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    code = (
+        "import socket\ndef reach():\n    try:\n"
+        f"        socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n        return 'connected'\n"
+        "    except OSError:\n        return 'blocked'"
+    )
+    try:
+        assert code_reward(C(code), [{"call": "reach()", "expected": "blocked"}])["correct"] == 1.0
+    finally:
+        server.close()
+
+
+def test_code_huge_output_is_harmless():
+    code = "print('x' * 50_000_000)\nimport sys\nsys.stderr.write('y' * 10_000_000)\ndef add(a, b): return a + b"
+    assert code_reward(C(code), ADD_TESTS)["correct"] == 1.0
+    big_file = "open('big', 'w').write('z' * 10_000_000)\ndef add(a, b): return a + b"  # RLIMIT_FSIZE: 1 MB
+    assert code_reward(C(big_file), ADD_TESTS)["correct"] == 0.0
+
+
+# ---------------------------------------------------------------- shaping and the batch scorer
+
+
+def test_shape_reward_hand_worked():
+    right = {"format": 1.0, "parsed": 1.0, "correct": 1.0}
+    wrong = {"format": 1.0, "parsed": 1.0, "correct": 0.0}
+    unparsed = {"format": 0.0, "parsed": 0.0, "correct": 0.0}
+    assert shape_reward(right, 100) == pytest.approx(1.1)
+    assert shape_reward(wrong, 100, wrong_penalty=-0.1) == pytest.approx(0.0)
+    assert shape_reward(unparsed, 100, wrong_penalty=-0.1, unparsed_penalty=-0.5) == pytest.approx(-0.5)
+    # W3: 65 tokens past a soft limit of 100 -> 3 started blocks of 32 -> -0.15
+    assert shape_reward(right, 165, length_soft_limit=100) == pytest.approx(1.1 - 0.15)
+    assert shape_reward(right, 100, length_soft_limit=100) == pytest.approx(1.1)
+    assert shape_reward(right, 9, length_min=10) == 0.0
+    assert shape_reward(right, 10, length_min=10) == pytest.approx(1.1)
+
+
+def test_score_batch():
+    problems = [{"task": "countdown", "numbers": N, "target": T}] * 3 + [{"task": "math", "answer": "1/2"}]
+    texts = [A("3*5+7"), A("3+5+7"), "nothing", M("0.5")]
+    rewards, comps = score_batch(texts, problems, [10, 10, 10, 10], format_weight=0.2, wrong_penalty=-0.1)
+    assert rewards.tolist() == pytest.approx([1.2, 0.1, 0.0, 1.2])
+    assert rewards.dtype == torch.float32
+    assert comps["correct"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert comps["numbers_valid"].tolist() == [1.0, 1.0, 0.0, 0.0]  # math has no such component: 0
+    with pytest.raises(ValueError, match="unknown task"):
+        score_batch(["x"], [{"task": "poetry"}], [1])
+
+
+def test_scoring_1000_countdown_completions_is_fast():
+    texts = [A("3*5+7"), A("(3+5)*7"), "<think>hmm</think><answer>abs(3)</answer>", "x" * 2000] * 250
+    start = time.perf_counter()
+    score_batch(texts, [{"task": "countdown", "numbers": N, "target": T}] * 1000, [50] * 1000)
+    assert time.perf_counter() - start < 5.0  # loose bound for a shared machine; bench_rewards.py measures
+
+
+# ---------------------------------------------------------------- replay (W5)
+
+
+def test_replay_reports_disagreements(tmp_path, capsys):
+    problem = {"task": "countdown", "numbers": N, "target": T}
+    rows = [
+        {"problem": problem, "completion": A("3*5+7"), "components": {"correct": 1.0, "format": 1.0}, "reward": 1.1,
+         "length": 12},
+        {"problem": problem, "completion": A("3+5+7"), "components": {"correct": 1.0}},  # stored wrongly
+        {"problem": problem, "completion": A("3*5+7"), "label": 0},  # a human disagrees
+    ]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert replay(str(path)) == 2
+    out = capsys.readouterr().out
+    assert "line 2: correct stored 1.0 != re-scored 0.0" in out and "line 3: label" in out
+    assert "replayed 3 rollouts" in out
+
+
+# ---------------------------------------------------------------- property: no input crashes or hangs
+
+TOKENS = st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "\\boxed{", "{", "}", "(", ")", "*", "**",
+                          "/", "-", "+", " ", "\n", "3", "5", "7", "99999999", "x", ".", "__import__", "９"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=300), st.lists(TOKENS, max_size=80).map("".join)))
+def test_random_strings_never_raise_or_hang(text):
+    start = time.perf_counter()
+    got = countdown_reward(text, N, T)
+    assert set(got) == {"format", "parsed", "numbers_valid", "correct"}
+    assert all(v in (0.0, 1.0) for v in got.values())
+    last_boxed(text)
+    normalize_math(text[:300])
+    assert time.perf_counter() - start < 0.5
