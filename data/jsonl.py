@@ -18,7 +18,7 @@ class DataError(ValueError):
 
 
 def _parse_line(path, lineno, line):
-    where = f"{path}:{lineno}"
+    where = f"{path}, line {lineno}"
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:

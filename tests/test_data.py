@@ -1,0 +1,218 @@
+"""Task data: generators, splits, the JSONL loader and the prompt samplers (SPEC D1-D3).   pytest tests/test_data.py"""
+
+import collections
+import json
+
+import pytest
+
+from config import load_config
+from data.arith import KINDS, math_problems
+from data.countdown import countdown_problems, random_solution
+from data.jsonl import DataError, load_jsonl
+from data.sampler import CurriculumSampler, PromptSampler
+from data.split import in_split
+from data.tasks import chat_messages, load_problems
+from rewards import countdown_reward, math_reward
+
+
+def solved(problem):
+    return countdown_reward(f"<think>known</think><answer>{problem['solution']}</answer>", problem["numbers"],
+                            problem["target"])
+
+
+def test_every_generated_countdown_problem_is_solvable():
+    problems = countdown_problems("train", 1000, seed=0)
+    assert all(solved(p) == {"format": 1.0, "parsed": 1.0, "numbers_valid": 1.0, "correct": 1.0} for p in problems)
+    assert {len(p["numbers"]) for p in problems} == {3, 4}
+    assert all(1 <= p["target"] <= 100 and all(1 <= n <= 99 for n in p["numbers"]) for p in problems)
+    assert len({p["id"] for p in problems}) == 1000
+
+
+def test_countdown_difficulty_knobs():
+    small = countdown_problems("train", 200, seed=1, num_counts=(3,), max_number=10, max_target=20)
+    assert all(len(p["numbers"]) == 3 and max(p["numbers"]) <= 10 and p["target"] <= 20 for p in small)
+    assert all(solved(p)["correct"] == 1.0 for p in small)
+
+
+def test_countdown_is_deterministic_and_seeded():
+    assert countdown_problems("train", 50, seed=3) == countdown_problems("train", 50, seed=3)
+    assert countdown_problems("train", 50, seed=3) != countdown_problems("train", 50, seed=4)
+
+
+def test_random_solution_value_matches_its_expression():
+    import ast
+    import random
+
+    from rewards import _countdown_eval
+
+    for seed in range(50):
+        made = random_solution([2, 3, 4, 5], random.Random(seed))
+        if made is None:  # a division by zero was drawn
+            continue
+        used = []
+        assert _countdown_eval(ast.parse(made[1], mode="eval").body, used) == made[0]
+        assert sorted(used) == [2, 3, 4, 5]
+
+
+def test_train_and_test_splits_are_disjoint_and_fixed():
+    train = {p["id"] for p in countdown_problems("train", 3000, seed=0)}
+    test = countdown_problems("test", 200, seed=0)
+    assert not train & {p["id"] for p in test}
+    assert all(in_split(p["id"], "test") and not in_split(p["id"], "train") for p in test)
+    # a different generator seed finds other test problems, never a train one
+    assert not train & {p["id"] for p in countdown_problems("test", 200, seed=9)}
+    with pytest.raises(ValueError, match="split"):
+        in_split("x", "validation")
+
+
+def test_prompt_template_has_the_layout():
+    p = countdown_problems("test", 1, seed=0)[0]
+    assert str(p["numbers"]) in p["prompt"] and str(p["target"]) in p["prompt"]
+    assert "<think>" in p["prompt"] and "<answer>" in p["prompt"]
+    assert chat_messages(p) == [{"role": "user", "content": p["prompt"]}]
+
+
+def test_math_problems_have_exact_answers_that_verify():
+    problems = math_problems("train", 300, seed=0)
+    assert {p["id"].split(":")[0] for p in problems} == {"math"}
+    for p in problems:
+        assert math_reward(f"<think>w</think><answer>\\boxed{{{p['answer']}}}</answer>", p["answer"])["correct"] == 1.0
+    linear = math_problems("test", 20, seed=0, kinds=("linear",))
+    assert all(p["prompt"].startswith("Solve for x") for p in linear)
+    with pytest.raises(ValueError, match="unknown math kinds"):
+        math_problems("train", 1, kinds=("calculus",))
+    assert set(KINDS) >= {"add", "linear", "fractions"}
+
+
+class Draws:
+    """A stand-in rng whose randint returns fixed values, to hand-check a kind."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def randint(self, lo, hi):
+        return self.values.pop(0)
+
+
+def test_hand_checked_math_answers():
+    from fractions import Fraction
+
+    assert KINDS["linear"](Draws(4, 3, 6), 99) == ("Solve for x: 4x + 3 = 6.", Fraction(3, 4))
+    assert KINDS["fractions"](Draws(1, 2, 1, 3), 99)[1] == Fraction(5, 6)
+    assert KINDS["order_of_ops"](Draws(2, 3, 4), 99) == ("What is 2 + 3 * 4?", 14)
+    assert KINDS["sub"](Draws(10, 25), 99) == ("What is 25 - 10?", 15)
+    assert KINDS["cookies"](Draws(3, 12, 5), 99)[1] == 31
+
+
+# ---------------------------------------------------------------- JSONL
+
+
+def write_lines(tmp_path, lines):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_jsonl_loader_formats(tmp_path):
+    lines = [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) for i in range(60)]
+    lines.append(json.dumps({"question": "Natalia sold 48 clips...", "answer": "48 / 2 = 24\n#### 72"}))
+    lines.append(json.dumps({"prompt": "Write add.", "tests": ["assert add(1, 2) == 3"], "id": "add"}))
+    lines.append(json.dumps({"prompt": "How many?", "answer": 7}))
+    path = write_lines(tmp_path, lines)
+    train, test = load_jsonl(path, "train"), load_jsonl(path, "test")
+    assert len(train) + len(test) == 63 and test  # ~10% in test, fixed by content
+    everything = {p["prompt"]: p for p in train + test}
+    assert everything["Natalia sold 48 clips..."]["answer"] == "72"  # GSM8K: after ####
+    assert everything["Write add."] == {"task": "code", "prompt": "Write add.", "tests": ["assert add(1, 2) == 3"],
+                                        "id": "add"}
+    assert everything["How many?"]["answer"] == "7"
+    assert load_jsonl(path, "test") == test
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "x", "answer": "1"', "line 2: not valid JSON"),
+        ('["prompt", "answer"]', "line 2: expected a JSON object"),
+        ('{"answer": "1"}', 'line 2: needs a non-empty string "prompt"'),
+        ('{"prompt": "  ", "answer": "1"}', 'line 2: needs a non-empty string "prompt"'),
+        ('{"prompt": "x"}', 'line 2: needs an "answer"'),
+        ('{"prompt": "x", "answer": true}', 'line 2: needs an "answer"'),
+        ('{"prompt": "x", "tests": []}', 'line 2: "tests" must be a non-empty list'),
+    ],
+)
+def test_jsonl_malformed_lines_name_the_line(tmp_path, line, message):
+    path = write_lines(tmp_path, ['{"prompt": "ok", "answer": "1"}', line])
+    with pytest.raises(DataError, match=message):
+        load_jsonl(path, "train")
+
+
+def test_load_problems_from_config(tmp_path):
+    cfg = load_config(overrides=["--train_size=30", "--test_size=5"])
+    assert len(load_problems(cfg, "train")) == 30 and len(load_problems(cfg, "test")) == 5
+    cfg = load_config(overrides=["--task=math", "--math_kinds=add", "--test_size=4"])
+    assert [p["task"] for p in load_problems(cfg, "test")] == ["math"] * 4
+    path = write_lines(tmp_path, [json.dumps({"prompt": f"q{i}", "answer": "1"}) for i in range(40)])
+    cfg = load_config(overrides=[f"--task={path}", "--train_size=10"])
+    assert len(load_problems(cfg, "train")) == 10
+
+
+# ---------------------------------------------------------------- samplers (D2, D3)
+
+
+def test_prompt_sampler_covers_every_prompt_once_per_epoch():
+    s = PromptSampler(10, seed=0)
+    first, second = s.sample(6) + s.sample(4), s.sample(10)
+    assert sorted(first) == list(range(10)) and sorted(second) == list(range(10))
+    assert first != second  # a new shuffle each epoch
+    assert PromptSampler(10, seed=0).sample(10) == first
+
+
+def test_prompt_sampler_resumes_exactly():
+    a = PromptSampler(7, seed=3)
+    a.sample(5)
+    state = json.loads(json.dumps(a.state_dict()))  # it must survive a checkpoint as JSON
+    b = PromptSampler(7, seed=3)
+    b.load_state_dict(state)
+    assert [a.sample(4) for _ in range(5)] == [b.sample(4) for _ in range(5)]
+
+
+def curriculum_with_history():
+    s = CurriculumSampler(30, seed=0, ramp_steps=10)
+    s.update(range(10), [1.0] * 10)  # 0-9 easy
+    s.update(range(10, 20), [0.5] * 10)  # 10-19 medium
+    s.update(range(20, 30), [0.0] * 10)  # 20-29 hard
+    return s
+
+
+def test_curriculum_buckets_and_moving_average():
+    s = curriculum_with_history()
+    assert [s.bucket(0), s.bucket(15), s.bucket(25)] == [0, 1, 2]
+    s.update([25], [1.0])  # EMA with alpha 0.5: 0.5 * 1 + 0.5 * 0 = 0.5 -> medium
+    assert s.pass_rate[25] == 0.5 and s.bucket(25) == 1
+    assert CurriculumSampler(5, seed=0).bucket(3) == 1  # never seen: medium
+
+
+def test_curriculum_ramps_hard_share_then_samples_1_2_3():
+    s = curriculum_with_history()
+    first = s.sample(6)
+    assert not [i for i in first if i >= 20]  # hard weight is 0 at the start of the ramp
+    for _ in range(9):
+        s.sample(6)
+    counts = collections.Counter()
+    for _ in range(2000):  # past the ramp: each draw picks a bucket 1:2:3
+        counts.update(s.bucket(i) for i in s.sample(1))
+    total = sum(counts.values())
+    assert counts[0] / total == pytest.approx(1 / 6, abs=0.03)
+    assert counts[1] / total == pytest.approx(2 / 6, abs=0.03)
+    assert counts[2] / total == pytest.approx(3 / 6, abs=0.03)
+
+
+def test_curriculum_is_deterministic_and_resumable():
+    a, b = curriculum_with_history(), curriculum_with_history()
+    assert [a.sample(5) for _ in range(3)] == [b.sample(5) for _ in range(3)]
+    c = CurriculumSampler(30, seed=0, ramp_steps=10)
+    c.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert [a.sample(5) for _ in range(5)] == [c.sample(5) for _ in range(5)]
+    batch = a.sample(30)
+    assert sorted(batch) == list(range(30))  # distinct within a call
