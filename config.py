@@ -24,9 +24,21 @@ class Config:
     out_dir: str = "out"  # metrics, samples and checkpoints go here
     seed: int = 1337  # one seed for data order, sampling and init (D3)
     max_steps: int = 200  # optimizer steps; also the length of the LR schedule (O1)
+    engine: str = "auto"  # R1: "vllm" | "hf" (transformers generate) | "auto" = vllm where it is installed
+    device: str = "auto"  # "cuda" | "cpu" | "auto" = cuda when available
+    resume: bool = False  # continue from the newest complete checkpoint in out_dir: same prompts, same metrics
+    save_every: int = 0  # checkpoint every N steps (and always at the end); 0 = only at the end
+    keep_checkpoints: int = 2  # keep the newest K checkpoint folders
+    eval_every: int = 0  # M2: evaluate on the test split every N steps (and always at the end); 0 = only at the end
+    eval_k: int = 4  # M2: samples per test prompt for pass@k (pass@1 is greedy)
+    sample_every: int = 10  # W6: dump whole groups to out_dir/samples.jsonl every N steps; 0 = off
+    sample_groups: int = 2  # W6: groups per dump
+    max_nonfinite: int = 5  # L6: stop after this many non-finite losses or grad norms in a row (each one skips the step)
+    wandb_project: str = ""  # M1: log to this wandb project too; "" = off
+    tensorboard: bool = False  # M1: also write tensorboard events to out_dir/tb
 
     # ---- task and data (D1-D3) ----
-    task: str = "countdown"  # D1: "countdown" | "math" (generated, data/arith.py) | path to your own .jsonl
+    task: str = "countdown"  # D1: "countdown" | "math" (data/arith.py) | "digits" (smoke tests) | your own .jsonl
     data_seed: int = 0  # D1: seeds the problem generators; fixes the train/test problems across runs
     train_size: int = 10000  # generated training problems (countdown, math)
     test_size: int = 200  # held-out problems for eval (M2); the splits never overlap (data/split.py)
@@ -61,7 +73,12 @@ class Config:
     temperature: float = 1.0  # R4/R5: sampling temperature; the trainer divides logits by the same value
     top_p: float = 1.0  # R4: nucleus sampling; 1.0 = off
     top_k: int = -1  # R4: top-k sampling; -1 = off
+    temperature_end: float = 0.0  # R4: anneal temperature linearly to this by max_steps (000: 0.7 -> 0.9); 0 = constant
+    mask_truncated: bool = False  # R6: completions cut at max_completion_len get no loss; False = train on them
+    dynamic_sampling: bool = False  # R7: drop groups whose rewards are all equal and refill with fresh prompts (DAPO)
+    dynamic_sampling_rounds: int = 3  # R7: at most this many refill rounds per step
     gpu_memory_utilization: float = 0.4  # R1: share of the GPU the colocated vLLM engine takes (0.3-0.5)
+    vllm_cpu_kv_cache_gb: int = 1  # R1: KV cache of vLLM on a CPU (VLLM_CPU_KVCACHE_SPACE), GiB
 
     # ---- advantages (A1-A3) ----
     adv_scale: str = "group"  # A1: "group" divides by the group std (z-score); "none" = mean-only (Dr. GRPO)
@@ -77,6 +94,10 @@ class Config:
     beta: float = 0.0  # L4: weight of the k3 KL to the reference; 0 = no reference model at all
     entropy_coef: float = 0.0  # L5: entropy bonus 1e-4..1e-3; 0 = off (verl entropy_coeff)
     num_iterations: int = 1  # L7: update epochs over one batch; 1 = on-policy (TRL num_iterations, verl ppo_epochs)
+
+    # ---- reference model (F1) ----
+    ref_offload: bool = False  # F1: keep the reference on the CPU between its once-per-batch passes
+    ref_refresh_steps: int = 0  # F1: copy the policy into the reference every N steps; 0 = never (TRL ref_model_sync_steps)
 
     # ---- adaptive KL (F2) ----
     adaptive_kl: bool = False  # F2: every kl_window steps scale beta by the mean token KL; False = fixed beta
@@ -96,6 +117,7 @@ class Config:
     dtype: str = "bfloat16"  # O5: compute dtype ("bfloat16" | "float32"); logprobs and loss stay fp32 (L6)
     gradient_checkpointing: bool = False  # O5: recompute activations in backward; trades ~30% time for memory
     lora_rank: int = 0  # O5: LoRA rank through peft; 0 = full fine-tuning
+    lora_alpha: int = 32  # O5: LoRA scale numerator (the update is scaled by lora_alpha / lora_rank)
 
     # ---- pre-flight (O6) ----
     device_memory_gb: float = 0.0  # O6: GPU memory to plan against; 0 = read it from the device
@@ -106,6 +128,7 @@ class Config:
     reward_weights: dict = field(default_factory=dict, init=False)  # the W2-W3 settings, as rewards.shape_reward kwargs
 
 
+TASKS = ("countdown", "math", "digits")
 REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "length_soft_limit",
                "length_penalty", "length_penalty_tokens", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
@@ -114,6 +137,8 @@ CHOICES = {
     "loss_agg": ("token-mean", "seq-mean", "dr-grpo"),
     "ratio_level": ("token", "sequence"),
     "dtype": ("bfloat16", "float32"),
+    "engine": ("auto", "vllm", "hf"),
+    "device": ("auto", "cuda", "cpu"),
 }
 
 
@@ -260,8 +285,10 @@ def validate(cfg):
             f"batch_size={cfg.batch_size} is not divisible by group_size={cfg.group_size}; "
             f"use batch_size={lower or cfg.group_size} or {lower + cfg.group_size}"
         )
-    if cfg.task not in ("countdown", "math") and not (cfg.task.endswith(".jsonl") and os.path.isfile(cfg.task)):
-        raise ConfigError(f"task={cfg.task!r}: choose 'countdown', 'math', or the path of an existing .jsonl file")
+    if cfg.task not in TASKS and not (cfg.task.endswith(".jsonl") and os.path.isfile(cfg.task)):
+        raise ConfigError(f"task={cfg.task!r}: choose one of {TASKS} or the path of an existing .jsonl file")
+    if cfg.lora_rank and cfg.ref_refresh_steps:
+        raise ConfigError("ref_refresh_steps needs full fine-tuning: with LoRA the reference is the base model (F1)")
     from data.arith import KINDS
 
     if not cfg.math_kinds or set(cfg.math_kinds) - set(KINDS):
@@ -283,11 +310,13 @@ def validate(cfg):
     if cfg.kl_low >= cfg.kl_high:
         raise ConfigError(f"kl_low={cfg.kl_low} must be below kl_high={cfg.kl_high} (F2)")
     for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations", "kl_window", "train_size",
+                 "eval_k", "max_nonfinite", "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha",
                  "test_size", "countdown_max_number", "countdown_max_target", "math_max_number", "length_penalty_tokens"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
     for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay", "grad_clip", "lora_rank",
-                 "length_soft_limit", "length_min", "curriculum_ramp_steps"):
+                 "length_soft_limit", "length_min", "curriculum_ramp_steps", "save_every", "eval_every",
+                 "sample_every", "sample_groups", "temperature_end", "dynamic_sampling_rounds", "ref_refresh_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
     if cfg.lr <= 0:

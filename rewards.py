@@ -335,6 +335,16 @@ def code_reward(text, tests, timeout=5.0):
     return out
 
 
+# ---------------------------------------------------------------- the smoke-test task
+
+
+def digits_reward(text):
+    """A reward a randomly initialised model can climb (config/tiny.py): the share of non-space characters that are digits."""
+    chars = [c for c in text if not c.isspace()]
+    share = sum(c in "0123456789" for c in chars) / len(chars) if chars else 0.0
+    return {"format": float(has_format(text)), "parsed": float(bool(chars)), "correct": share}
+
+
 # ---------------------------------------------------------------- the batch scorer (W2, W3)
 
 
@@ -347,7 +357,9 @@ def score_one(text, problem):
         return math_reward(text, problem["answer"])
     if task == "code":
         return code_reward(text, problem["tests"])
-    raise ValueError(f"unknown task {task!r}; expected countdown, math or code")
+    if task == "digits":
+        return digits_reward(text)
+    raise ValueError(f"unknown task {task!r}; expected countdown, math, code or digits")
 
 
 def shape_reward(c, length, *, format_weight=0.1, correct_weight=1.0, wrong_penalty=0.0, unparsed_penalty=0.0,

@@ -2,6 +2,7 @@
 #   python grpo.py --config config/tiny.py
 # CPU, a few steps in well under a minute; the numbers mean nothing beyond "the loop runs".
 model = "tiny"
+task = "digits"  # the share of digits in the completion: a reward a random model can climb
 out_dir = "out/tiny"
 max_steps = 8
 

@@ -3,6 +3,7 @@
 from data.arith import math_problems
 from data.countdown import countdown_problems
 from data.jsonl import load_jsonl
+from data.split import in_split
 
 
 def load_problems(cfg, split):
@@ -13,7 +14,16 @@ def load_problems(cfg, split):
                                   cfg.countdown_max_target)
     if cfg.task == "math":
         return math_problems(split, n, cfg.data_seed, cfg.math_kinds, cfg.math_max_number)
+    if cfg.task == "digits":
+        return digits_problems(split, n)
     return load_jsonl(cfg.task, split)[:n]
+
+
+def digits_problems(split, n):
+    """The smoke-test task (rewards.digits_reward): any prompt, and digits score."""
+    keys = (f"digits:{i}" for i in range(10**6))
+    return [{"id": key, "task": "digits", "prompt": f"Write only digits, like {key[7:]}:"}
+            for key, _ in zip((k for k in keys if in_split(k, split)), range(n))]
 
 
 def chat_messages(problem):

@@ -1,0 +1,468 @@
+"""GRPO, Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath sec. 4), on one node.
+
+    python grpo.py                                   # the default run
+    python grpo.py --config config/countdown_3b.py   # Qwen2.5-3B-Instruct on Countdown, one GPU
+    python grpo.py --config config/tiny.py --max_steps=4 --engine=hf
+
+Each step: sample prompts -> generate G completions per prompt -> score them with rule-based
+verifiers -> advantages relative to each prompt's group -> old and reference logprobs -> a
+PPO-clipped policy-gradient update in micro-batches -> push the new weights into the sampler ->
+log -> eval -> checkpoint.
+
+Where this departs from the GRPO paper (each is a setting in config.py):
+ 1. Loss averaged over all response tokens of the batch (token-mean, L2) rather than per sequence
+    first; the paper's seq-mean and Dr. GRPO's constant normaliser are options.
+ 2. beta = 0 by default: no reference model and no KL term (L4); the paper uses 0.04.
+ 3. Group std is the unbiased one with a floor of 1e-4 (A2); the paper does not say.
+ 4. One update per batch by default (num_iterations = 1, L7), so the ratio starts at exactly 1.
+ 5. Weights kept in fp32 with bf16 autocast, logprobs and loss in fp32 (L6, O5).
+ 6. Optional DAPO pieces (clip-higher, dynamic sampling, overlong masking), GSPO's sequence-level
+    ratio, and length shaping; all off by default.
+"""
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+
+from advantage import group_advantages, group_stats
+from config import ConfigError, config_from_argv, preflight, save_config
+from data.sampler import CurriculumSampler, PromptSampler
+from data.tasks import chat_messages, load_problems
+from loss import adaptive_kl_beta, grpo_loss, logprobs_and_entropy, lr_at
+from model import check_model_source, load_policy, model_path, push_weights_iter
+from rewards import score_batch
+from rollout import HFEngine, VLLMEngine, vllm_available
+
+# ---------------------------------------------------------------- helpers: prompts and rollouts
+
+
+def tokenize_prompts(tokenizer, problems, max_prompt_len):
+    """Chat-formatted prompt token ids; a prompt longer than max_prompt_len is an error, never cut."""
+    out = []
+    for p in problems:
+        text = tokenizer.apply_chat_template(chat_messages(p), add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) > max_prompt_len:
+            raise ConfigError(f"prompt {p['id']} has {len(ids)} tokens > max_prompt_len={max_prompt_len}; raise it")
+        out.append(ids)
+    return out
+
+
+def rollout(engine, problems, prompt_ids, idx, cfg, temperature):
+    """Generate G completions for each prompt index in idx and score them. Groups are contiguous."""
+    groups = engine.generate([prompt_ids[i] for i in idx], cfg.group_size, temperature=temperature, top_p=cfg.top_p,
+                             top_k=cfg.top_k, max_tokens=cfg.max_completion_len, progress=sys.stdout.isatty())
+    completions = [c for g in groups for c in g]  # (N,) = len(idx) * G
+    problem_ids = [i for i in idx for _ in range(cfg.group_size)]
+    start = time.perf_counter()
+    rewards, components = score_batch([c.text for c in completions], [problems[i] for i in problem_ids],
+                                      [len(c.completion_ids) for c in completions], **cfg.reward_weights)
+    return {"problem": problem_ids, "completions": completions, "rewards": rewards, "components": components,
+            "score_seconds": time.perf_counter() - start}
+
+
+def select_groups(batch, groups, G):
+    """The rows of the given group indices, in order."""
+    rows = [g * G + j for g in groups for j in range(G)]
+    return {"problem": [batch["problem"][r] for r in rows], "completions": [batch["completions"][r] for r in rows],
+            "rewards": batch["rewards"][rows], "components": {k: v[rows] for k, v in batch["components"].items()},
+            "score_seconds": batch["score_seconds"]}
+
+
+def concat(a, b):
+    return {"problem": a["problem"] + b["problem"], "completions": a["completions"] + b["completions"],
+            "rewards": torch.cat([a["rewards"], b["rewards"]]),
+            "components": {k: torch.cat([a["components"][k], b["components"][k]]) for k in a["components"]},
+            "score_seconds": a["score_seconds"] + b["score_seconds"]}
+
+
+def informative_groups(rewards, G):
+    """Indices of groups whose rewards are not all equal (R7: the others have zero advantage)."""
+    return [g for g, row in enumerate(rewards.view(-1, G)) if row.max() > row.min()]
+
+
+# ---------------------------------------------------------------- helpers: tensors and passes
+
+
+def pad_batch(completions, pad_id):
+    """Prompt + completion, right-padded, and the response-token mask in next-token coordinates.
+
+    Returns input_ids (N, L), attention (N, L), mask (N, L-1), sampler_logprobs (N, L-1), where
+    position t of mask/logprobs refers to the token input_ids[:, t + 1] (L3: prompt and padding are 0).
+    """
+    L = max(len(c.prompt_ids) + len(c.completion_ids) for c in completions)
+    N = len(completions)
+    input_ids = torch.full((N, L), pad_id, dtype=torch.long)
+    attention, mask = torch.zeros(N, L, dtype=torch.long), torch.zeros(N, L - 1)
+    sampler_lp = torch.zeros(N, L - 1)
+    for i, c in enumerate(completions):
+        P, C = len(c.prompt_ids), len(c.completion_ids)
+        input_ids[i, : P + C] = torch.tensor(c.prompt_ids + c.completion_ids)
+        attention[i, : P + C] = 1
+        mask[i, P - 1 : P - 1 + C] = 1
+        if c.logprobs:
+            sampler_lp[i, P - 1 : P - 1 + C] = torch.tensor(c.logprobs)
+    return input_ids, attention, mask, sampler_lp
+
+
+def micro_batches(lengths, budget):
+    """O3: group rows, longest first, so each micro-batch's padded size (rows x longest) fits `budget` tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # similar lengths together: less padding
+    out, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > budget:
+            out.append(current)
+            current = []
+        current.append(i)
+    return out + [current] if current else out
+
+
+def forward_logprobs(model, ids, attention, cfg, temperature):
+    """(logprobs, entropy), each (b, L-1) fp32, for the tokens ids[:, 1:] (L6: bf16 compute, fp32 logprobs)."""
+    device_type = ids.device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+        logits = model(input_ids=ids, attention_mask=attention).logits  # (b, L, V)
+    return logprobs_and_entropy(logits[:, :-1], ids[:, 1:], temperature)
+
+
+@torch.no_grad()
+def batch_logprobs(model, tensors, batches, cfg, temperature):
+    """Logprobs of the whole batch under `model`, no grad: the old or the reference policy (F1, L7)."""
+    ids, attention, mask, _ = tensors
+    out = torch.zeros_like(mask)
+    for mb in batches:
+        L = int(attention[mb].sum(1).max())
+        out[mb, : L - 1] = forward_logprobs(model, ids[mb, :L], attention[mb, :L], cfg, temperature)[0]
+    return out
+
+
+def temperature_at(step, cfg):
+    """R4: constant, or linear from cfg.temperature to cfg.temperature_end over the run."""
+    if cfg.temperature_end:
+        return cfg.temperature + (cfg.temperature_end - cfg.temperature) * step / max(1, cfg.max_steps - 1)
+    return cfg.temperature
+
+
+# ---------------------------------------------------------------- eval (M2)
+
+
+def evaluate(engine, problems, prompt_ids, cfg, seed):
+    """pass@1 with greedy decoding, pass@k from k samples at the training temperature, format, length."""
+    idx = list(range(len(problems)))
+    torch.manual_seed(seed)
+    greedy = engine.generate([prompt_ids[i] for i in idx], 1, temperature=0.0, top_p=1.0, top_k=-1,
+                             max_tokens=cfg.max_completion_len)
+    texts = [g[0].text for g in greedy]
+    _, comps = score_batch(texts, problems, [len(g[0].completion_ids) for g in greedy], **cfg.reward_weights)
+    sampled = engine.generate([prompt_ids[i] for i in idx], cfg.eval_k, temperature=cfg.temperature,
+                              top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len)
+    flat = [c for g in sampled for c in g]
+    _, sampled_comps = score_batch([c.text for c in flat], [problems[i] for i in idx for _ in range(cfg.eval_k)],
+                                   [len(c.completion_ids) for c in flat], **cfg.reward_weights)
+    solved = (sampled_comps["correct"].view(-1, cfg.eval_k) >= 1).any(dim=1)
+    return {"eval/pass@1_greedy": (comps["correct"] >= 1).float().mean().item(),
+            f"eval/pass@{cfg.eval_k}": solved.float().mean().item(),
+            "eval/mean_correct_sampled": sampled_comps["correct"].mean().item(),
+            "eval/format": comps["format"].mean().item(),
+            "eval/response_length": sum(len(g[0].completion_ids) for g in greedy) / len(greedy)}
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def checkpoints(out_dir):
+    """Complete checkpoint folders, oldest first (an interrupted save is a .tmp folder and never listed)."""
+    return sorted(glob.glob(os.path.join(out_dir, "ckpt_*")))
+
+
+def save_checkpoint(cfg, step, policy, ref, tokenizer, optimizer, sampler, state):
+    """Write everything to a temp folder, then rename it: a kill at any moment leaves the last one whole."""
+    final = os.path.join(cfg.out_dir, f"ckpt_{step:06d}")
+    tmp = os.path.join(cfg.out_dir, f".tmp_ckpt_{step:06d}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)  # with LoRA: the adapter only
+    tokenizer.save_pretrained(tmp)
+    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, os.path.join(tmp, "rng.pt"))
+    if cfg.ref_refresh_steps and ref is not None:
+        torch.save(ref.state_dict(), os.path.join(tmp, "reference.pt"))
+    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        json.dump({"step": step, "sampler": sampler.state_dict(), **state}, f)
+    save_config(cfg, os.path.join(tmp, "config.json"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)  # atomic on one file system
+    for old in checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints]:
+        shutil.rmtree(old)
+
+
+def truncate_metrics(path, step):
+    """Drop metric lines of steps >= step (written after the checkpoint we resume from)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] < step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------- logging (M1)
+
+
+class Logger:
+    """One console line per step, every metric appended to metrics.jsonl, wandb/tensorboard on request."""
+
+    def __init__(self, cfg):
+        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        self.wandb = self.tb = None
+        if cfg.wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume="allow")
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(cfg.out_dir, "tb"))
+
+    def log(self, metrics):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        step = metrics["step"]
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        if self.tb:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+        line = " | ".join(f"{k} {metrics[k]:.4g}" for k in ("reward", "acc", "format", "kl", "response_length",
+                                                              "loss", "grad_norm", "time/step") if metrics.get(k) is not None)
+        print(f"step {step} | {line}", flush=True)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def main(argv):
+    # ---- config, pre-flight, data: everything that can fail fails before a model loads (O6)
+    cfg = config_from_argv(argv)
+    preflight(cfg)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    engine_name = ("vllm" if vllm_available() else "hf") if cfg.engine == "auto" else cfg.engine
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path = model_path(cfg)
+    check_model_source(path)
+    resume_from = None
+    if cfg.resume:
+        if not checkpoints(cfg.out_dir):
+            raise ConfigError(f"resume=True but {cfg.out_dir} has no complete checkpoint (ckpt_*)")
+        resume_from = checkpoints(cfg.out_dir)[-1]
+    train_problems, test_problems = load_problems(cfg, "train"), load_problems(cfg, "test")
+    save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
+
+    # ---- models: the policy (fp32 master weights), the reference (F1), the optimizer (O1)
+    torch.manual_seed(cfg.seed)
+    weights = resume_from if resume_from and not cfg.lora_rank else path
+    tokenizer, policy = load_policy(cfg, weights, device, adapter=resume_from if cfg.lora_rank else None)
+    policy.train()
+    ref = None
+    if cfg.beta > 0 and not cfg.lora_rank:  # with LoRA the reference is the base: adapters disabled (F1)
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+        ref.to("cpu" if cfg.ref_offload else device)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    sampler = (CurriculumSampler(len(train_problems), cfg.seed, easy_above=cfg.curriculum_easy_above,
+                                 hard_below=cfg.curriculum_hard_below, ramp_steps=cfg.curriculum_ramp_steps)
+               if cfg.curriculum else PromptSampler(len(train_problems), cfg.seed))  # D2 / D3
+    train_prompts = tokenize_prompts(tokenizer, train_problems, cfg.max_prompt_len)
+    test_prompts = tokenize_prompts(tokenizer, test_problems, cfg.max_prompt_len)
+
+    start_step, beta, kl_history, nonfinite_in_a_row = 0, cfg.beta, [], 0
+    if resume_from:
+        with open(os.path.join(resume_from, "trainer_state.json")) as f:
+            state = json.load(f)
+        start_step, beta, kl_history = state["step"], state["beta"], state["kl_history"]
+        nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        sampler.load_state_dict(state["sampler"])
+        optimizer.load_state_dict(torch.load(os.path.join(resume_from, "optimizer.pt"), map_location=device))
+        rng = torch.load(os.path.join(resume_from, "rng.pt"), weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if ref is not None and cfg.ref_refresh_steps:
+            ref.load_state_dict(torch.load(os.path.join(resume_from, "reference.pt")))
+        truncate_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), start_step)
+        print(f"resumed from {resume_from} at step {start_step}")
+
+    engine = VLLMEngine(path, cfg, device) if engine_name == "vllm" else HFEngine(policy, tokenizer)
+    engine.push_weights(push_weights_iter(policy))  # the engine loaded the initial weights from disk
+    logger = Logger(cfg)
+    G, checkpoint_seconds = cfg.group_size, 0.0
+    print(f"GRPO: {cfg.model} on {cfg.task}, engine {engine_name}, device {device}, steps {start_step}..{cfg.max_steps}")
+
+    for step in range(start_step, cfg.max_steps):
+        t_step, times = time.perf_counter(), {}
+        torch.manual_seed(cfg.seed * 1_000_003 + step)  # sampling depends on (seed, step) only: exact resume
+        temperature = temperature_at(step, cfg)
+
+        # ---- sample prompts, generate G completions each, score them
+        t0 = time.perf_counter()
+        batch = rollout(engine, train_problems, train_prompts, sampler.sample(cfg.prompts_per_step), cfg, temperature)
+        rounds = 0
+        if cfg.dynamic_sampling:  # R7: keep only groups with a reward spread; refill with fresh prompts
+            batch = select_groups(batch, informative_groups(batch["rewards"], G), G)
+            while len(batch["rewards"]) < cfg.batch_size and rounds < cfg.dynamic_sampling_rounds:
+                more = rollout(engine, train_problems, train_prompts,
+                               sampler.sample(cfg.prompts_per_step - len(batch["rewards"]) // G), cfg, temperature)
+                batch = concat(batch, select_groups(more, informative_groups(more["rewards"], G), G))
+                rounds += 1
+            batch = select_groups(batch, range(min(cfg.prompts_per_step, len(batch["rewards"]) // G)), G)
+        times["time/score"] = batch["score_seconds"]
+        times["time/generate"] = time.perf_counter() - t0 - times["time/score"]
+        completions, rewards = batch["completions"], batch["rewards"]
+        if not completions:
+            print(f"step {step}: no group with a reward spread after {rounds} refill rounds; skipping the update")
+            continue
+
+        # ---- advantages relative to each prompt's group (A1-A4)
+        advantages = group_advantages(rewards, G, scale=cfg.adv_scale, std_floor=cfg.adv_std_floor,
+                                      zero_std_groups=cfg.adv_zero_std_groups, clip=cfg.adv_clip)
+        stats = group_stats(rewards, G, correct=batch["components"]["correct"])
+        sampler.update(batch["problem"][::G], stats["pass_rate"].tolist())  # D2 (a no-op for plain shuffling)
+
+        # ---- tensors: response mask (L3), micro-batches under the token budget (O3)
+        ids, attention, mask, sampler_lp = pad_batch(completions, tokenizer.pad_token_id)
+        truncated = torch.tensor([float(c.truncated) for c in completions])
+        if cfg.mask_truncated:  # R6: a cut-off completion has no final answer to judge; give it no loss
+            mask = mask * (1 - truncated)[:, None]
+        ids, attention, mask, sampler_lp, advantages = (t.to(device) for t in (ids, attention, mask, sampler_lp,
+                                                                                advantages))
+        tensors = (ids, attention, mask, sampler_lp)
+        batches = micro_batches(attention.sum(1).tolist(), cfg.micro_batch_tokens)
+        num_tokens = int(mask.sum())  # L2: the token-mean denominator is the whole batch's response tokens
+
+        # ---- old and reference logprobs, once per batch (F1, L7)
+        t0 = time.perf_counter()
+        old_lp = None  # with one update per batch the old policy is the current one: detach its own logprobs
+        if cfg.num_iterations > 1:
+            old_lp = batch_logprobs(policy, tensors, batches, cfg, temperature)
+        times["time/old"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref_lp = None
+        if beta > 0 and cfg.lora_rank:
+            with policy.disable_adapter():
+                ref_lp = batch_logprobs(policy, tensors, batches, cfg, temperature)
+        elif beta > 0:
+            ref.to(device)
+            ref_lp = batch_logprobs(ref, tensors, batches, cfg, temperature)
+            ref.to("cpu" if cfg.ref_offload else device)
+        times["time/ref"] = time.perf_counter() - t0
+
+        # ---- the update: num_iterations epochs of micro-batches, one optimizer step each (L1-L7, O1-O2)
+        t0 = time.perf_counter()
+        lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        sums, parity, skipped = {}, [], 0
+        for epoch in range(cfg.num_iterations):
+            loss_total = 0.0
+            for mb in batches:
+                L = int(attention[mb].sum(1).max())
+                lp, entropy = forward_logprobs(policy, ids[mb, :L], attention[mb, :L], cfg, temperature)
+                m_mask = mask[mb, : L - 1]
+                loss, mb_metrics = grpo_loss(
+                    lp, old_lp[mb, : L - 1] if old_lp is not None else lp.detach(), advantages[mb], m_mask,
+                    ref_logprobs=ref_lp[mb, : L - 1] if ref_lp is not None else None, beta=beta,
+                    clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high_eff, agg=cfg.loss_agg,
+                    num_tokens=num_tokens, num_seqs=len(completions), max_len=cfg.max_completion_len,
+                    entropy=entropy, entropy_coef=cfg.entropy_coef, ratio_level=cfg.ratio_level)
+                loss.backward()  # micro-batch losses share the batch denominator, so gradients add up (L2)
+                loss_total += loss.item()
+                for k, v in mb_metrics.items():  # token-weighted sums over micro-batches
+                    sums[k] = sums.get(k, 0.0) + (v * mb_metrics["num_tokens"] if k != "num_tokens" else v)
+                if epoch == 0 and completions[0].logprobs:  # R2: sampler vs trainer on the same weights
+                    diff = (lp.detach() - sampler_lp[mb, : L - 1]).abs() * m_mask
+                    parity.append((diff.sum().item(), diff.max().item()))
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            if math.isfinite(loss_total) and torch.isfinite(grad_norm):
+                optimizer.step()
+                nonfinite_in_a_row = 0
+            else:  # L6: skip the step, keep the weights, count it
+                skipped += 1
+                nonfinite_in_a_row += 1
+                print(f"step {step}: non-finite loss {loss_total} or grad norm {grad_norm.item()}; update skipped")
+                if nonfinite_in_a_row >= cfg.max_nonfinite:
+                    raise RuntimeError(f"{nonfinite_in_a_row} non-finite updates in a row; lower lr or check the data")
+            optimizer.zero_grad(set_to_none=True)
+        times["time/update"] = time.perf_counter() - t0
+
+        # ---- push the new weights into the sampler (R2)
+        t0 = time.perf_counter()
+        engine.push_weights(push_weights_iter(policy))
+        times["time/push"] = time.perf_counter() - t0
+        if cfg.ref_refresh_steps and (step + 1) % cfg.ref_refresh_steps == 0:  # F1: the reference catches up
+            ref.load_state_dict(policy.state_dict())
+
+        # ---- log (M1)
+        n_tok = max(sums.get("num_tokens", 0.0), 1.0)
+        kl = sums["kl"] / n_tok if "kl" in sums else None
+        lengths = torch.tensor([float(len(c.completion_ids)) for c in completions])
+        metrics = {
+            "step": step, "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+            **{f"reward/{k}": v.mean().item() for k, v in batch["components"].items()},
+            "acc": batch["components"]["correct"].mean().item(), "format": batch["components"]["format"].mean().item(),
+            "response_length": lengths.mean().item(), "truncated": truncated.mean().item(),
+            "group_std": stats["group_std"], "effective_group_ratio": stats["effective_group_ratio"],
+            "frac_reward_zero_std": stats["frac_reward_zero_std"],
+            "loss": loss_total, "kl": kl, "grad_norm": grad_norm.item(), "lr": lr, "beta": beta,
+            "temperature": temperature, "skipped_updates": skipped, "refill_rounds": rounds,
+            **{k: sums[k] / n_tok for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy")},
+            "sampler_logprob_diff_mean": sum(s for s, _ in parity) / max(mask.sum().item(), 1) if parity else None,
+            "sampler_logprob_diff_max": max((m for _, m in parity), default=None),
+            "tokens": int(attention.sum()), "time/checkpoint": checkpoint_seconds, **times,
+        }
+        if cfg.adaptive_kl and kl is not None:  # F2: every kl_window steps, scale beta by the mean token KL
+            kl_history.append(kl)
+            if len(kl_history) >= cfg.kl_window:
+                beta = adaptive_kl_beta(beta, sum(kl_history) / len(kl_history), high=cfg.kl_high, low=cfg.kl_low,
+                                        up=cfg.kl_up, down=cfg.kl_down)
+                kl_history = []
+        if cfg.sample_every and step % cfg.sample_every == 0:  # W6: whole groups, readable by rewards.py --replay
+            with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
+                for r in range(min(cfg.sample_groups * G, len(completions))):
+                    c = completions[r]
+                    f.write(json.dumps({
+                        "step": step, "problem": train_problems[batch["problem"][r]], "completion": c.text,
+                        "reward": rewards[r].item(), "advantage": advantages[r].item(), "length": len(c.completion_ids),
+                        "components": {k: v[r].item() for k, v in batch["components"].items()},
+                        "weights": cfg.reward_weights}) + "\n")
+
+        # ---- eval (M2), log, checkpoint (the line is logged first, so a resume never loses it)
+        last = step == cfg.max_steps - 1
+        t0 = time.perf_counter()
+        if last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+            metrics.update(evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed))
+        metrics["time/eval"] = time.perf_counter() - t0
+        metrics["time/step"] = time.perf_counter() - t_step
+        logger.log(metrics)
+        t0 = time.perf_counter()
+        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            save_checkpoint(cfg, step + 1, policy, ref, tokenizer, optimizer, sampler,
+                            {"beta": beta, "kl_history": kl_history, "nonfinite_in_a_row": nonfinite_in_a_row})
+        checkpoint_seconds = time.perf_counter() - t0  # logged with the next step
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")

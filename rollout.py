@@ -1,0 +1,110 @@
+"""Sampling: G completions per prompt from a vLLM engine (default) or HF `generate` (simplest to read).
+
+Both engines take prompts as token ids and return, per prompt, a list of G `Completion`s with the
+sampler's own logprob of every sampled token, taken from logits / temperature (R5) so they are
+directly comparable with the trainer's recomputed logprobs. Both are reseeded through torch's
+global RNG before each call (grpo.py), which makes a resumed run sample exactly what it would have.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Completion:
+    prompt_ids: list  # prompt token ids
+    completion_ids: list  # sampled token ids, the EOS token included when the completion stopped
+    text: str  # decoded completion, special tokens dropped
+    logprobs: list  # sampler's log p of each sampled token under logits / temperature
+    truncated: bool  # hit max_tokens before EOS (R6)
+
+
+def vllm_available():
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMEngine:
+    """A colocated vLLM engine in this process; weights pushed from the trainer after every step (R1, R2)."""
+
+    def __init__(self, path, cfg, device):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weight pushes are plain tensor copies
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_cpu_kv_cache_gb))  # GiB of KV cache on CPU
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=path,
+            dtype="float32" if cfg.dtype == "float32" or device == "cpu" and cfg.dtype != "bfloat16" else "bfloat16",
+            seed=cfg.seed,
+            max_model_len=cfg.max_prompt_len + cfg.max_completion_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=device == "cpu",
+            logprobs_mode="processed_logprobs",  # after temperature (R5); the default "raw" would ignore it
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompts, n, *, temperature, top_p, top_k, max_tokens, progress=False):
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                logprobs=0 if temperature > 0 else None)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
+        return [[Completion(list(out.prompt_token_ids), list(c.token_ids), c.text,
+                            [next(iter(d.values())).logprob for d in c.logprobs] if c.logprobs else [],
+                            c.finish_reason == "length")
+                 for c in out.outputs] for out in outputs]
+
+    def push_weights(self, named_tensors):
+        """Load the trainer's weights in place, then drop every cached KV block computed with the old ones (R2)."""
+        weights = list(named_tensors)
+        self.llm.collective_rpc(lambda worker, w: worker.model_runner.reload_weights(weights_iterator=iter(w)),
+                                args=(weights,))
+        self.llm.reset_prefix_cache()  # a stale prefix cache would serve KV from the previous policy
+        # GPU sleep/wake handoff (R1) goes around this push: wake weights -> push -> wake KV cache.
+
+
+class HFEngine:
+    """`model.generate` on the policy itself: no second copy of the weights, so nothing to push."""
+
+    def __init__(self, policy, tokenizer):
+        self.policy, self.tokenizer = policy, tokenizer
+
+    @torch.no_grad()
+    def generate(self, prompts, n, *, temperature, top_p, top_k, max_tokens, progress=False):
+        from transformers import GenerationConfig
+
+        tok, device = self.tokenizer, next(self.policy.parameters()).device
+        width = max(len(p) for p in prompts)  # left-pad so every prompt ends where generation starts
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        greedy = temperature == 0
+        gen = GenerationConfig(do_sample=not greedy, temperature=temperature if not greedy else None,
+                               top_p=top_p if not greedy else None, top_k=top_k if top_k > 0 else None,
+                               max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True)
+        was_training = self.policy.training
+        self.policy.eval()
+        out = self.policy.generate(input_ids=ids, attention_mask=attention, generation_config=gen)
+        self.policy.train(was_training)
+        sampled = out.sequences[:, width:]  # (P*n, new)
+        # scores are the processed logits (after temperature, top-k, top-p) that were sampled from
+        logprobs = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)  # (P*n, new, V)
+        logprobs = logprobs.gather(-1, sampled[..., None]).squeeze(-1)
+        groups = []
+        for i, p in enumerate(prompts):
+            group = []
+            for row in range(i * n, (i + 1) * n):
+                tokens = sampled[row].tolist()
+                stop = tokens.index(tok.eos_token_id) + 1 if tok.eos_token_id in tokens else len(tokens)
+                tokens = tokens[:stop]
+                group.append(Completion(list(p), tokens, tok.decode(tokens, skip_special_tokens=True),
+                                        logprobs[row, :stop].tolist() if not greedy else [],
+                                        stop == max_tokens and tokens[-1] != tok.eos_token_id))
+            groups.append(group)
+        return groups
+
+    def push_weights(self, named_tensors):
+        """The engine samples from the policy object itself: always current."""
