@@ -52,7 +52,10 @@ class VLLMEngine:
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 logprobs=0 if temperature > 0 else None)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
-        return [[Completion(list(out.prompt_token_ids), list(c.token_ids), c.text,
+        # decode ourselves: vLLM's incremental detokenizer can drop a trailing partial UTF-8 byte, and both
+        # engines must score the same text for the same tokens
+        return [[Completion(list(out.prompt_token_ids), list(c.token_ids),
+                            self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
                             [next(iter(d.values())).logprob for d in c.logprobs] if c.logprobs else [],
                             c.finish_reason == "length")
                  for c in out.outputs] for out in outputs]
@@ -76,35 +79,36 @@ class HFEngine:
     def generate(self, prompts, n, *, temperature, top_p, top_k, max_tokens, progress=False):
         from transformers import GenerationConfig
 
-        tok, device = self.tokenizer, next(self.policy.parameters()).device
-        width = max(len(p) for p in prompts)  # left-pad so every prompt ends where generation starts
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         greedy = temperature == 0
         gen = GenerationConfig(do_sample=not greedy, temperature=temperature if not greedy else None,
-                               top_p=top_p if not greedy else None, top_k=top_k if top_k > 0 else None,
-                               max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True)
+                               top_p=top_p if not greedy else None,
+                               top_k=max(top_k, 0),  # 0 = off; None would mean transformers' default of 50
+                               max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.tokenizer.eos_token_id,
+                               pad_token_id=self.tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True)
         was_training = self.policy.training
         self.policy.eval()
-        out = self.policy.generate(input_ids=ids, attention_mask=attention, generation_config=gen)
+        # One prompt at a time: its n rows share the prompt, so there is no padding, and the positions
+        # match the trainer's exactly (left padding would shift them).
+        groups = [self._group(p, gen, greedy) for p in prompts]
         self.policy.train(was_training)
-        sampled = out.sequences[:, width:]  # (P*n, new)
-        # scores are the processed logits (after temperature, top-k, top-p) that were sampled from
-        logprobs = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)  # (P*n, new, V)
-        logprobs = logprobs.gather(-1, sampled[..., None]).squeeze(-1)
-        groups = []
-        for i, p in enumerate(prompts):
-            group = []
-            for row in range(i * n, (i + 1) * n):
-                tokens = sampled[row].tolist()
-                stop = tokens.index(tok.eos_token_id) + 1 if tok.eos_token_id in tokens else len(tokens)
-                tokens = tokens[:stop]
-                group.append(Completion(list(p), tokens, tok.decode(tokens, skip_special_tokens=True),
-                                        logprobs[row, :stop].tolist() if not greedy else [],
-                                        stop == max_tokens and tokens[-1] != tok.eos_token_id))
-            groups.append(group)
         return groups
+
+    def _group(self, prompt, gen, greedy):
+        device, eos = next(self.policy.parameters()).device, self.tokenizer.eos_token_id
+        out = self.policy.generate(input_ids=torch.tensor([prompt], device=device), generation_config=gen)
+        sampled = out.sequences[:, len(prompt) :]  # (n, new)
+        # scores are the processed logits (after temperature, top-k, top-p) that each token was sampled from
+        logprobs = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)  # (n, new, V)
+        logprobs = logprobs.gather(-1, sampled[..., None]).squeeze(-1)  # (n, new)
+        group = []
+        for row in range(len(sampled)):
+            tokens = sampled[row].tolist()
+            stop = tokens.index(eos) + 1 if eos in tokens else len(tokens)  # rows that stopped early are padded
+            tokens = tokens[:stop]
+            group.append(Completion(list(prompt), tokens, self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                    logprobs[row, :stop].tolist() if not greedy else [],
+                                    stop == gen.max_new_tokens and tokens[-1] != eos))
+        return group
 
     def push_weights(self, named_tensors):
         """The engine samples from the policy object itself: always current."""

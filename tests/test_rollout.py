@@ -1,0 +1,106 @@
+"""Both sampling engines on a tiny model: parity with the trainer, weight pushes.   pytest tests/test_rollout.py"""
+
+import os
+
+import pytest
+import torch
+
+from config import load_config
+from grpo import forward_logprobs, pad_batch
+from model import build_tiny, load_policy, push_weights_iter
+from rollout import HFEngine, VLLMEngine, vllm_available
+
+# In CI (CI set) a missing vLLM is a failure, not a skip: the install command must provide it.
+requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"), reason="vllm not installed")
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = build_tiny(str(tmp_path_factory.mktemp("models") / "tiny"))
+    cfg = load_config(overrides=["--model=tiny", "--dtype=float32", "--max_prompt_len=64", "--max_completion_len=24",
+                                 "--micro_batch_tokens=256", "--seed=0"])
+    tokenizer, policy = load_policy(cfg, path, "cpu")
+    prompts = [tokenizer("Write only digits, like 4 2 7:").input_ids, tokenizer("<think> 1 + 2").input_ids]
+    return cfg, path, tokenizer, policy, prompts
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny):
+    cfg, path, *_ = tiny
+    return VLLMEngine(path, cfg, "cpu")
+
+
+def trainer_gap(policy, cfg, groups):
+    """Max |sampler logprob - trainer logprob| over all sampled tokens."""
+    completions = [c for g in groups for c in g]
+    ids, attention, mask, sampler_lp = pad_batch(completions, 0)
+    with torch.no_grad():
+        lp, _ = forward_logprobs(policy, ids, attention, cfg, TEMPERATURE)
+    assert mask.sum() > 10
+    return ((lp - sampler_lp).abs() * mask).max().item()
+
+
+def sample(engine, prompts, temperature=TEMPERATURE, n=4):
+    torch.manual_seed(0)
+    return engine.generate(prompts, n, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=24)
+
+
+def perturb(policy, scale):
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * scale)
+
+
+@requires_vllm
+def test_vllm_parity_after_0_1_and_5_pushes(tiny, vllm_engine):
+    cfg, _, _, policy, prompts = tiny
+    vllm_engine.push_weights(push_weights_iter(policy))
+    assert trainer_gap(policy, cfg, sample(vllm_engine, prompts)) < 1e-3
+    for pushes in range(5):
+        perturb(policy, 0.02)
+        vllm_engine.push_weights(push_weights_iter(policy))
+        if pushes in (0, 4):
+            assert trainer_gap(policy, cfg, sample(vllm_engine, prompts)) < 1e-3
+
+
+@requires_vllm
+def test_vllm_stale_weights_are_visible_and_the_push_changes_the_output(tiny, vllm_engine):
+    cfg, _, _, policy, prompts = tiny
+    vllm_engine.push_weights(push_weights_iter(policy))
+    before = [c.completion_ids for g in sample(vllm_engine, prompts, temperature=0.0, n=1) for c in g]
+    perturb(policy, 0.2)  # not pushed: the sampler is stale
+    assert trainer_gap(policy, cfg, sample(vllm_engine, prompts)) > 1e-2
+    vllm_engine.push_weights(push_weights_iter(policy))
+    after = [c.completion_ids for g in sample(vllm_engine, prompts, temperature=0.0, n=1) for c in g]
+    assert after != before
+    assert trainer_gap(policy, cfg, sample(vllm_engine, prompts)) < 1e-3
+
+
+@requires_vllm
+def test_vllm_completions_fields(tiny, vllm_engine):
+    cfg, _, tokenizer, policy, prompts = tiny
+    vllm_engine.push_weights(push_weights_iter(policy))
+    groups = sample(vllm_engine, prompts, n=3)
+    assert [len(g) for g in groups] == [3, 3]
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            assert c.prompt_ids == prompt and len(c.logprobs) == len(c.completion_ids) <= 24
+            assert c.truncated == (len(c.completion_ids) == 24 and c.completion_ids[-1] != tokenizer.eos_token_id)
+            assert c.text == tokenizer.decode(c.completion_ids, skip_special_tokens=True)
+
+
+def test_hf_engine_parity_and_fields(tiny):
+    cfg, _, tokenizer, policy, prompts = tiny
+    engine = HFEngine(policy, tokenizer)
+    groups = sample(engine, prompts, n=3)
+    assert trainer_gap(policy, cfg, groups) < 1e-3
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            assert c.prompt_ids == prompt and len(c.logprobs) == len(c.completion_ids) <= 24
+            assert tokenizer.pad_token_id not in c.completion_ids
+            assert c.truncated == (len(c.completion_ids) == 24 and c.completion_ids[-1] != tokenizer.eos_token_id)
+    # the engine samples from the policy object itself: a change to the policy is its next output
+    before = [c.completion_ids for g in sample(engine, prompts, temperature=0.0, n=1) for c in g]
+    perturb(policy, 0.2)
+    assert [c.completion_ids for g in sample(engine, prompts, temperature=0.0, n=1) for c in g] != before
