@@ -197,15 +197,15 @@ def save_checkpoint(cfg, step, policy, ref, tokenizer, optimizer, sampler, state
         torch.save(ref.state_dict(), os.path.join(tmp, "reference.pt"))
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
         json.dump({"step": step, "sampler": sampler.state_dict(), **state}, f)
-    save_config(cfg, os.path.join(tmp, "config.json"))
+    save_config(cfg, os.path.join(tmp, "grpo_config.json"))  # config.json is the HF model config
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # atomic on one file system
     for old in checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints]:
         shutil.rmtree(old)
 
 
-def truncate_metrics(path, step):
-    """Drop metric lines of steps >= step (written after the checkpoint we resume from)."""
+def truncate_log(path, step):
+    """Drop the lines of steps >= step from a JSONL log: they were written after the checkpoint we resume from."""
     if not os.path.exists(path):
         return
     with open(path) as f:
@@ -265,6 +265,8 @@ def main(argv):
         if not checkpoints(cfg.out_dir):
             raise ConfigError(f"resume=True but {cfg.out_dir} has no complete checkpoint (ckpt_*)")
         resume_from = checkpoints(cfg.out_dir)[-1]
+    for partial in glob.glob(os.path.join(cfg.out_dir, ".tmp_ckpt_*")):  # a save that was killed midway
+        shutil.rmtree(partial)
     train_problems, test_problems = load_problems(cfg, "train"), load_problems(cfg, "test")
     save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
 
@@ -300,7 +302,8 @@ def main(argv):
         random.setstate(rng["python"])
         if ref is not None and cfg.ref_refresh_steps:
             ref.load_state_dict(torch.load(os.path.join(resume_from, "reference.pt")))
-        truncate_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), start_step)
+        for log in ("metrics.jsonl", "samples.jsonl"):
+            truncate_log(os.path.join(cfg.out_dir, log), start_step)
         print(f"resumed from {resume_from} at step {start_step}")
 
     engine = VLLMEngine(path, cfg, device) if engine_name == "vllm" else HFEngine(policy, tokenizer)
@@ -459,6 +462,7 @@ def main(argv):
             save_checkpoint(cfg, step + 1, policy, ref, tokenizer, optimizer, sampler,
                             {"beta": beta, "kl_history": kl_history, "nonfinite_in_a_row": nonfinite_in_a_row})
         checkpoint_seconds = time.perf_counter() - t0  # logged with the next step
+    return policy
 
 
 if __name__ == "__main__":

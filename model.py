@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from config import SHAPES, ConfigError
+
 TINY_CORPUS = [
     "Write only digits, like 4 2 7: 1 2 3 4 5 6 7 8 9 0 10 42 99",
     "Using the numbers [1, 2, 3], create an equation that equals 6. <think> 1 + 2 = 3 </think><answer>(1 + 2) * 3</answer>",
@@ -25,8 +27,6 @@ def build_tiny(folder, seed=0):
         return folder
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from config import SHAPES
 
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -60,9 +60,9 @@ def check_model_source(path):
     """Fail before any expensive work if a local-looking model path does not exist."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"model folder {path} has no config.json; point --model at a saved HF model")
+            raise ConfigError(f"model folder {path} has no config.json; point --model at a saved HF model")
     elif path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not an org/name on the hub
-        raise FileNotFoundError(f"model folder {path} not found; set --model to a folder or a hub name like "
+        raise ConfigError(f"model folder {path} not found; set --model to a folder or a hub name like "
                                 f"Qwen/Qwen2.5-3B-Instruct")
 
 

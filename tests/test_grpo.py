@@ -1,0 +1,168 @@
+"""The training loop run as a user runs it: grpo.py in a subprocess on the tiny config.   pytest tests/test_grpo.py
+
+Each vLLM run spends ~20 s starting the engine on this CPU; the loop itself is ~0.1 s a step.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import grpo
+from config import ConfigError
+from rewards import replay
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+requires_vllm = pytest.mark.skipif(not grpo.vllm_available() and not os.environ.get("CI"), reason="vllm not installed")
+TRAIN_KEYS = ("reward", "acc", "loss", "grad_norm", "entropy", "response_length", "lr", "effective_group_ratio")
+
+
+def command(out_dir, *args):
+    return [sys.executable, os.path.join(ROOT, "grpo.py"), "--config", os.path.join(ROOT, "config", "tiny.py"),
+            f"--out_dir={out_dir}", *args]
+
+
+def run(out_dir, *args, timeout=600):
+    proc = subprocess.run(command(out_dir, *args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_until(out_dir, checkpoint, *args):
+    """Start grpo.py and kill -9 it as soon as `checkpoint` exists: a crash at an arbitrary moment."""
+    proc = subprocess.Popen(command(out_dir, *args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.time() + 300
+    while not os.path.isdir(os.path.join(out_dir, checkpoint)) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.parametrize("engine", [pytest.param("vllm", marks=requires_vllm), "hf"])
+def test_smoke_run_learns_and_logs_consistently(tmp_path, engine):
+    out = tmp_path / engine
+    run(out, f"--engine={engine}", "--sample_every=1", "--sample_groups=4")
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(20))
+    for m in metrics:
+        for key in ("step", "reward", "loss", "kl", "entropy", "response_length", "time/generate", "time/update"):
+            assert key in m
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+        # the sampler's logprobs equal the trainer's on the same weights every step: the weights moved
+        # (lr 2e-2) and were pushed each time, or this gap would grow from step 1 on (R2)
+        assert m["sampler_logprob_diff_max"] < 1e-3
+    # the logged reward is the mean of the dumped rewards, and the dump re-scores to the same values
+    samples = read_jsonl(out / "samples.jsonl")
+    for m in metrics:
+        dumped = [s["reward"] for s in samples if s["step"] == m["step"]]
+        assert len(dumped) == 16 and sum(dumped) / 16 == pytest.approx(m["reward"], abs=1e-6)
+    assert replay(str(out / "samples.jsonl")) == 0
+    # learning: the share of digits climbs on this trivially learnable reward
+    first, last = [sum(m["reward"] for m in metrics[s]) / 5 for s in (slice(0, 5), slice(15, 20))]
+    assert last > first + 0.3, (first, last)
+    assert "eval/pass@1_greedy" in metrics[-1] and "eval/pass@4" in metrics[-1]
+    assert os.path.isfile(out / "ckpt_000020" / "config.json") and os.path.isfile(out / "config.json")
+
+
+@requires_vllm
+def test_resume_gives_the_same_run(tmp_path):
+    """4 steps straight vs killed after the step-2 checkpoint + resumed: same prompts, same metrics."""
+    common = ["--engine=vllm", "--max_steps=4", "--save_every=2", "--sample_every=1", "--sample_groups=4"]
+    run(tmp_path / "straight", *common)
+    run_until(tmp_path / "resumed", "ckpt_000002", *common)
+    assert not os.path.exists(tmp_path / "resumed" / "ckpt_000004")
+    stdout = run(tmp_path / "resumed", *common, "--resume=true")
+    assert "resumed from" in stdout and "at step 2" in stdout
+    a, b = read_jsonl(tmp_path / "straight" / "metrics.jsonl"), read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    assert [m["step"] for m in b] == [0, 1, 2, 3]
+    for ma, mb in zip(a, b):
+        for key in TRAIN_KEYS:
+            assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), (ma["step"], key)
+    prompts = lambda path: [(s["step"], s["problem"]["id"], s["completion"]) for s in read_jsonl(path)]  # noqa: E731
+    assert prompts(tmp_path / "straight" / "samples.jsonl") == prompts(tmp_path / "resumed" / "samples.jsonl")
+
+
+def test_kill_at_any_moment_then_resume(tmp_path):
+    """kill -9 twice (once while checkpoints are being written every step), then finish: nothing lost or doubled."""
+    common = ["--engine=hf", "--max_steps=12", "--save_every=1", "--sample_every=1"]
+    run_until(tmp_path, "ckpt_000003", *common)
+    os.makedirs(tmp_path / ".tmp_ckpt_000099")  # what a kill during a save leaves behind
+    (tmp_path / ".tmp_ckpt_000099" / "optimizer.pt").write_bytes(b"half a file")
+    run_until(tmp_path, "ckpt_000007", *common, "--resume=true")
+    run(tmp_path, *common, "--resume=true")
+    steps = [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(12))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp_ckpt")]  # the half-written save is gone
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("ckpt_")) == ["ckpt_000011", "ckpt_000012"]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt_000012")  # a complete, loadable HF folder
+
+
+def test_lora_reference_is_the_base_and_only_adapters_train(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    policy = grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
+                        "--lora_rank=4", "--beta=0.01", "--max_steps=3", "--lr=5e-2"])
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny_model", dtype=torch.float32)
+    trained = dict(policy.named_parameters())
+    for name, weight in base.named_parameters():  # every base weight untouched
+        key = "base_model.model." + name.replace(".weight", ".base_layer.weight")
+        assert torch.equal(trained.get(key, trained.get("base_model.model." + name)), weight), name
+    assert any(v.abs().sum() > 0 for k, v in trained.items() if "lora_B" in k)  # B starts at 0: it moved
+    ids, fp32 = torch.tensor([[5, 17, 42, 99, 7, 3, 11]]), grpo.config_from_argv(["--dtype=float32"])
+    with torch.no_grad(), policy.disable_adapter():
+        ref_lp = grpo.forward_logprobs(policy, ids, torch.ones_like(ids), fp32, 1.0)[0]
+    base_lp = grpo.forward_logprobs(base, ids, torch.ones_like(ids), fp32, 1.0)[0]
+    assert torch.allclose(ref_lp, base_lp.detach(), atol=1e-6)
+    with torch.no_grad():
+        policy_lp = grpo.forward_logprobs(policy, ids, torch.ones_like(ids), fp32, 1.0)[0]
+    assert (policy_lp - base_lp.detach()).abs().max() > 1e-4  # the adapters do change the policy
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all(m["kl"] is not None and m["kl"] >= 0 for m in metrics) and metrics[-1]["kl"] > 0
+    assert os.path.isfile(tmp_path / "ckpt_000003" / "adapter_config.json")
+
+
+def test_bad_input_fails_before_any_model_loads(tmp_path):
+    with pytest.raises(ConfigError, match="model folder /nonexistent/model not found"):
+        grpo.main([f"--out_dir={tmp_path}", "--model=/nonexistent/model"])
+    with pytest.raises(ConfigError, match="has no complete checkpoint"):
+        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--resume=true"])
+    proc = subprocess.run([sys.executable, "grpo.py", "--batch_size=30"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1 and "config error: batch_size=30 is not divisible by group_size=8" in proc.stderr
+    with pytest.raises(ConfigError, match="> max_prompt_len=8"):
+        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
+                   "--max_prompt_len=8", "--max_completion_len=8", "--micro_batch_tokens=64"])
+
+
+def test_micro_batches_respect_the_token_budget():
+    lengths = [10, 50, 30, 30, 20, 5, 45]
+    batches = grpo.micro_batches(lengths, 100)
+    assert sorted(i for b in batches for i in b) == list(range(7))
+    assert all(len(b) * max(lengths[i] for i in b) <= 100 for b in batches)
+    assert batches[0] == [1, 6]  # longest first: 2 x 50 fits, a third would not
+    assert grpo.micro_batches([300], 100) == [[0]]  # one sequence is never split (pre-flight keeps it within budget)
+
+
+def test_pad_batch_masks_only_response_tokens():
+    from rollout import Completion
+
+    a = Completion([1, 2, 3], [4, 5], "", [-0.5, -0.25], False)
+    b = Completion([1], [6, 7, 8], "", [-1.0, -2.0, -3.0], True)
+    ids, attention, mask, lp = grpo.pad_batch([a, b], pad_id=0)
+    assert ids.tolist() == [[1, 2, 3, 4, 5], [1, 6, 7, 8, 0]]
+    assert attention.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    # position t predicts ids[:, t + 1]: a's response tokens 4, 5 sit at t = 2, 3; b's 6, 7, 8 at t = 0, 1, 2
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
+    assert lp.tolist() == [[0, 0, -0.5, -0.25], [-1.0, -2.0, -3.0, 0]]
