@@ -31,6 +31,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from advantage import group_advantages, group_stats
 from config import ConfigError, config_from_argv, preflight, save_config
@@ -59,7 +60,7 @@ def tokenize_prompts(tokenizer, problems, max_prompt_len):
 def rollout(engine, problems, prompt_ids, idx, cfg, temperature):
     """Generate G completions for each prompt index in idx and score them. Groups are contiguous."""
     groups = engine.generate([prompt_ids[i] for i in idx], cfg.group_size, temperature=temperature, top_p=cfg.top_p,
-                             top_k=cfg.top_k, max_tokens=cfg.max_completion_len, progress=sys.stdout.isatty())
+                             top_k=cfg.top_k, max_tokens=cfg.max_completion_len, progress=sys.stdout.isatty())  # a bar
     completions = [c for g in groups for c in g]  # (N,) = len(idx) * G
     problem_ids = [i for i in idx for _ in range(cfg.group_size)]
     start = time.perf_counter()
@@ -142,6 +143,19 @@ def batch_logprobs(model, tensors, batches, cfg, temperature):
         L = int(attention[mb].sum(1).max())
         out[mb, : L - 1] = forward_logprobs(model, ids[mb, :L], attention[mb, :L], cfg, temperature)[0]
     return out
+
+
+def optimizer_step(optimizer, params, loss, grad_clip):
+    """O2 + L6: clip the global grad norm and step, unless the loss or the norm is not finite.
+
+    Returns (grad_norm, stepped). A skipped step leaves the weights and the AdamW moments untouched.
+    """
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    stepped = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, stepped
 
 
 def temperature_at(step, cfg):
@@ -310,6 +324,7 @@ def main(argv):
     engine.push_weights(push_weights_iter(policy))  # the engine loaded the initial weights from disk
     logger = Logger(cfg)
     G, checkpoint_seconds = cfg.group_size, 0.0
+    quiet = not sys.stdout.isatty()  # progress bars only on a terminal
     print(f"GRPO: {cfg.model} on {cfg.task}, engine {engine_name}, device {device}, steps {start_step}..{cfg.max_steps}")
 
     for step in range(start_step, cfg.max_steps):
@@ -378,7 +393,7 @@ def main(argv):
         sums, parity, skipped = {}, [], 0
         for epoch in range(cfg.num_iterations):
             loss_total = 0.0
-            for mb in batches:
+            for mb in tqdm(batches, desc=f"update {epoch + 1}/{cfg.num_iterations}", leave=False, disable=quiet):
                 L = int(attention[mb].sum(1).max())
                 lp, entropy = forward_logprobs(policy, ids[mb, :L], attention[mb, :L], cfg, temperature)
                 m_mask = mask[mb, : L - 1]
@@ -395,17 +410,13 @@ def main(argv):
                 if epoch == 0 and completions[0].logprobs:  # R2: sampler vs trainer on the same weights
                     diff = (lp.detach() - sampler_lp[mb, : L - 1]).abs() * m_mask
                     parity.append((diff.sum().item(), diff.max().item()))
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            if math.isfinite(loss_total) and torch.isfinite(grad_norm):
-                optimizer.step()
-                nonfinite_in_a_row = 0
-            else:  # L6: skip the step, keep the weights, count it
+            grad_norm, stepped = optimizer_step(optimizer, trainable, loss_total, cfg.grad_clip)
+            nonfinite_in_a_row = 0 if stepped else nonfinite_in_a_row + 1
+            if not stepped:  # L6: the step was skipped; count it, and stop when it keeps happening
                 skipped += 1
-                nonfinite_in_a_row += 1
                 print(f"step {step}: non-finite loss {loss_total} or grad norm {grad_norm.item()}; update skipped")
                 if nonfinite_in_a_row >= cfg.max_nonfinite:
                     raise RuntimeError(f"{nonfinite_in_a_row} non-finite updates in a row; lower lr or check the data")
-            optimizer.zero_grad(set_to_none=True)
         times["time/update"] = time.perf_counter() - t0
 
         # ---- push the new weights into the sampler (R2)

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 
 @dataclass
@@ -89,7 +90,7 @@ class HFEngine:
         self.policy.eval()
         # One prompt at a time: its n rows share the prompt, so there is no padding, and the positions
         # match the trainer's exactly (left padding would shift them).
-        groups = [self._group(p, gen, greedy) for p in prompts]
+        groups = [self._group(p, gen, greedy) for p in tqdm(prompts, desc="generate", disable=not progress, leave=False)]
         self.policy.train(was_training)
         return groups
 

@@ -166,3 +166,54 @@ def test_pad_batch_masks_only_response_tokens():
     # position t predicts ids[:, t + 1]: a's response tokens 4, 5 sit at t = 2, 3; b's 6, 7, 8 at t = 0, 1, 2
     assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
     assert lp.tolist() == [[0, 0, -0.5, -0.25], [-1.0, -2.0, -3.0, 0]]
+
+
+def test_every_loop_toggle_runs_and_shows_its_effect(tmp_path):
+    """One run with the loop-level toggles on, each checked for the effect it should have."""
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
+               "--max_steps=6", "--num_iterations=2",  # L7: a second epoch sees ratios != 1
+               "--temperature=1.0", "--temperature_end=0.5",  # R4
+               "--beta=0.01", "--adaptive_kl=true", "--kl_window=2", "--kl_high=1e-9", "--kl_low=0",  # F2: KL > high -> x 1.2
+               "--ref_offload=true", "--ref_refresh_steps=3",  # F1
+               "--dynamic_sampling=true", "--mask_truncated=true",  # R7, R6
+               "--curriculum=true", "--curriculum_ramp_steps=2",  # D2
+               "--entropy_coef=1e-3", "--clip_eps_high=0.28",  # L5, L1
+               "--gradient_checkpointing=true", "--dtype=bfloat16",  # O5
+               "--length_soft_limit=8", "--format_weight=0.2"])  # W2, W3
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(metrics) == 6 and all(math.isfinite(m["loss"]) for m in metrics)
+    for m in metrics:
+        if m["truncated"] == 1.0:  # R6: every completion was cut off, so nothing is trained on
+            assert m["loss"] == 0.0 and m["grad_norm"] == 0.0
+        else:  # L7: averaged over both epochs, and in the second the policy has moved
+            assert m["approx_kl_old"] > 0 and m["grad_norm"] > 0
+    assert any(m["truncated"] < 1.0 for m in metrics)
+    assert [round(m["temperature"], 6) for m in metrics] == [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
+    assert [m["beta"] for m in metrics][:3] == [0.01, 0.01, pytest.approx(0.012)]  # scaled after 2 steps
+    assert all(m["effective_group_ratio"] == 1.0 for m in metrics)  # R7 kept only groups with a spread
+    with open(tmp_path / "ckpt_000006" / "trainer_state.json") as f:
+        state = json.load(f)
+    assert state["sampler"]["calls"] >= 6 and state["sampler"]["pass_rate"]  # D2 state in the checkpoint
+    # F1: the reference was refreshed after the last step (every 3), so it equals the saved policy
+    from safetensors.torch import load_file
+
+    ref, policy = torch.load(tmp_path / "ckpt_000006" / "reference.pt"), load_file(tmp_path / "ckpt_000006" / "model.safetensors")
+    assert all(torch.equal(ref[k], policy[k]) for k in policy) and metrics[-1]["kl"] > 0
+    # W3: every completion past 8 tokens lost at least 0.05, so no reward reaches the unshaped maximum
+    samples = read_jsonl(tmp_path / "samples.jsonl")
+    assert all(s["reward"] <= s["components"]["correct"] + 0.2 * s["components"]["format"] - 0.05 * (s["length"] > 8)
+               + 1e-6 for s in samples)
+
+
+def test_nonfinite_step_is_skipped_and_leaves_weights_alone():
+    w = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([w], lr=0.1)
+    w.grad = torch.tensor([1.0, float("nan"), 1.0])
+    norm, stepped = grpo.optimizer_step(optimizer, [w], 0.5, grad_clip=1.0)
+    assert not stepped and not math.isfinite(norm.item()) and w.tolist() == [1.0, 1.0, 1.0] and w.grad is None
+    w.grad = torch.tensor([3.0, 4.0, 0.0])
+    _, stepped = grpo.optimizer_step(optimizer, [w], float("inf"), grad_clip=1.0)  # a non-finite loss
+    assert not stepped and w.tolist() == [1.0, 1.0, 1.0]
+    w.grad = torch.tensor([3.0, 4.0, 0.0])
+    norm, stepped = grpo.optimizer_step(optimizer, [w], 0.5, grad_clip=1.0)
+    assert stepped and norm.item() == pytest.approx(5.0) and w.tolist() != [1.0, 1.0, 1.0]
