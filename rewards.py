@@ -196,8 +196,11 @@ def symbolic_equal(a, b, timeout=2.0):
     return result
 
 
-def math_reward(text, answer):
+def math_reward(text, answer, last_number=False):
     """Math: the last \\boxed{} (else the <answer> content) equals `answer`, exactly or by sympy.
+
+    last_number: with no box and no tag, judge the last number in the text instead (lm-eval's
+    "flexible extract"); `parsed` stays 0 then, so unparsed_penalty still asks for a tagged answer.
 
     Example: math_reward("<think>..</think><answer>\\boxed{\\frac{1}{2}}</answer>", "0.5")
     -> {"format": 1.0, "parsed": 1.0, "correct": 1.0}
@@ -207,6 +210,10 @@ def math_reward(text, answer):
     given = last_boxed(tagged if tagged is not None else text)
     if given is None:
         given = tagged
+    if given is None and last_number:
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", text[-2000:])
+        fa, fb = (as_fraction(numbers[-1]) if numbers else None), as_fraction(normalize_math(str(answer)))
+        return {**out, "correct": float(fa is not None and fa == fb)}
     if not given or len(given) > MAX_ANSWER_CHARS:
         return {**out, "format": 0.0}  # W4: an empty \boxed{} or <answer> scores nothing, not even format
     out["parsed"] = 1.0
@@ -348,13 +355,13 @@ def digits_reward(text):
 # ---------------------------------------------------------------- the batch scorer (W2, W3)
 
 
-def score_one(text, problem):
+def score_one(text, problem, last_number=False):
     """Dispatch on problem["task"] to the verifier; returns its components."""
     task = problem["task"]
     if task == "countdown":
         return countdown_reward(text, problem["numbers"], problem["target"])
     if task == "math":
-        return math_reward(text, problem["answer"])
+        return math_reward(text, problem["answer"], last_number)
     if task == "code":
         return code_reward(text, problem["tests"])
     if task == "digits":
@@ -385,13 +392,13 @@ def shape_reward(c, length, *, format_weight=0.1, correct_weight=1.0, wrong_pena
     return reward
 
 
-def score_batch(texts, problems, lengths, **weights):
+def score_batch(texts, problems, lengths, last_number=False, **weights):
     """Score N completions. Returns (rewards (N,) float32, {component: (N,) float32}).
 
     texts: N completion strings; problems: N problem dicts (the problem of each completion);
-    lengths: N completion lengths in tokens; weights: shape_reward's keyword arguments.
+    lengths: N completion lengths in tokens; last_number: see math_reward; weights: shape_reward's kwargs.
     """
-    components = [score_one(t, p) for t, p in zip(texts, problems)]
+    components = [score_one(t, p, last_number) for t, p in zip(texts, problems)]
     rewards = [shape_reward(c, n, **weights) for c, n in zip(components, lengths)]
     names = sorted({k for c in components for k in c})
     per_component = {k: torch.tensor([c.get(k, 0.0) for c in components]) for k in names}
@@ -415,7 +422,7 @@ def replay(path):
                 continue
             rec = json.loads(line)
             rows += 1
-            fresh = score_one(rec["completion"], rec["problem"])
+            fresh = score_one(rec["completion"], rec["problem"], rec.get("last_number", False))
             checks = {k: (v, fresh.get(k)) for k, v in rec.get("components", {}).items()}
             if "reward" in rec:
                 again = shape_reward(fresh, rec.get("length", 0), **rec.get("weights", {}))

@@ -16,3 +16,5 @@ micro_batch_tokens = 384
 lr = 2e-2  # a random 2-layer model takes a far larger step than a pretrained one
 warmup_steps = 2
 dtype = "float32"
+temperature = 1.0
+unparsed_penalty = 0.0  # the digits reward alone

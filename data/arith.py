@@ -24,12 +24,12 @@ def _fmt(x):
 
 
 def _add(r, m):
-    a, b = r.randint(10, m), r.randint(10, m)
+    a, b = r.randint(1, m), r.randint(1, m)
     return f"What is {a} + {b}?", a + b
 
 
 def _sub(r, m):
-    a, b = sorted((r.randint(10, m), r.randint(10, m)))
+    a, b = sorted((r.randint(1, m), r.randint(1, m)))
     return f"What is {b} - {a}?", b - a
 
 
@@ -67,12 +67,17 @@ def math_problems(split, n, seed=0, kinds=tuple(KINDS), max_number=99):
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown math kinds {sorted(unknown)}; choose from {sorted(KINDS)}")
-    rng, seen, out = random.Random(seed), set(), []
+    rng, seen, out, misses = random.Random(seed), set(), [], 0
     while len(out) < n:
+        misses += 1
+        if misses > 100_000:  # 100k draws in a row found nothing new: the space is used up
+            raise ValueError(f"only {len(out)} distinct {split} problems exist for these settings, {n} asked for; "
+                             f"lower train_size/test_size or widen the ranges")
         question, answer = KINDS[rng.choice(kinds)](rng, max_number)
         key = f"math:{question}"
         if key in seen or not in_split(key, split):
             continue
         seen.add(key)
+        misses = 0
         out.append({"id": key, "task": "math", "prompt": PROMPT.format(question=question), "answer": _fmt(answer)})
     return out

@@ -124,7 +124,7 @@ def test_config_from_argv():
         (["--beta=-0.1"], "beta=-0.1 must be in"),
         (["--beta=2"], "beta=2.0 must be in"),
         (["--adaptive_kl=true"], "beta=0"),
-        (["--micro_batch_tokens=1000"], r"cannot hold one prompt plus its longest completion \(256 \+ 1024 = 1280\)"),
+        (["--micro_batch_tokens=300"], r"cannot hold one prompt plus its longest completion \(256 \+ 96 = 352\)"),
         (["--loss_agg=sum"], "choose one of"),
         (["--gpu_memory_utilization=0.95", "--gpu_memory_utilization=1.5"], "gpu_memory_utilization"),
         (["--max_steps=0"], "max_steps=0 must be >= 1"),

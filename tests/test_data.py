@@ -216,3 +216,10 @@ def test_curriculum_is_deterministic_and_resumable():
     assert [a.sample(5) for _ in range(5)] == [c.sample(5) for _ in range(5)]
     batch = a.sample(30)
     assert sorted(batch) == list(range(30))  # distinct within a call
+
+
+def test_an_exhausted_problem_space_fails_clearly():
+    with pytest.raises(ValueError, match=r"only \d+ distinct train problems exist"):
+        math_problems("train", 500, kinds=("add",), max_number=5)  # 25 sums in all
+    with pytest.raises(ValueError, match="distinct test problems"):
+        countdown_problems("test", 50, num_counts=(3,), max_number=2, max_target=3)
