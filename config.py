@@ -94,7 +94,7 @@ class Config:
     clip_eps_high: float = 0.0  # L1: upper clip 1 + eps_high (DAPO clip-higher, e.g. 0.28); 0 = same as clip_eps
     loss_agg: str = "token-mean"  # L2: "token-mean" | "seq-mean" (paper) | "dr-grpo" (sum / (seqs x max_completion_len))
     ratio_level: str = "token"  # L8: "token" | "sequence" (GSPO; use clip_eps ~3e-4 and seq-mean with it)
-    beta: float = 0.0  # L4: weight of the k3 KL to the reference; 0 = no reference model at all
+    beta: float = 0.001  # L4: weight of the k3 KL to the reference (002: 0.001); 0 = no reference model at all
     entropy_coef: float = 0.0  # L5: entropy bonus 1e-4..1e-3; 0 = off (verl entropy_coeff)
     num_iterations: int = 1  # L7: update epochs over one batch; 1 = on-policy (TRL num_iterations, verl ppo_epochs)
 

@@ -12,7 +12,7 @@ log -> eval -> checkpoint.
 Where this departs from the GRPO paper (each is a setting in config.py):
  1. Loss averaged over all response tokens of the batch (token-mean, L2) rather than per sequence
     first; the paper's seq-mean and Dr. GRPO's constant normaliser are options.
- 2. beta = 0 by default: no reference model and no KL term (L4); the paper uses 0.04.
+ 2. A small beta (0.001, as seed 002) rather than the paper's 0.04; beta = 0 drops the reference (L4).
  3. Group std is the unbiased one with a floor of 1e-4 (A2); the paper does not say.
  4. One update per batch by default (num_iterations = 1, L7), so the ratio starts at exactly 1.
  5. Weights kept in fp32 with bf16 autocast, logprobs and loss in fp32 (L6, O5).

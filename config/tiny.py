@@ -18,3 +18,4 @@ warmup_steps = 2
 dtype = "float32"
 temperature = 1.0
 unparsed_penalty = 0.0  # the digits reward alone
+beta = 0.0  # no reference: the smoke run stays fast

@@ -1,0 +1,64 @@
+"""Plot a run (or several) from metrics.jsonl: reward, accuracy, KL, length, and where the time goes.
+
+    python plot.py out/default_s1 out/default_s2 --out assets/default_run.png
+"""
+
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no screen needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+PANELS = [  # (title, [(metric, label)])
+    ("reward (train batch)", [("reward", "reward")]),
+    ("accuracy", [("acc", "train batch"), ("eval/pass@1_greedy", "test pass@1 (greedy)"),
+                  ("eval/pass@4", "test pass@4 (T = train)")]),
+    ("answer format", [("reward/parsed", "tagged answer (train)"), ("format", "think+answer layout (train)")]),
+    ("KL", [("kl", "token KL to reference"), ("approx_kl_old", "KL(old || new)")]),
+    ("response length (tokens)", [("response_length", "train batch")]),
+    ("seconds per step", [("time/generate", "generate"), ("time/update", "update"), ("time/eval", "eval")]),
+]
+
+
+def read(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def series(rows, key):
+    """(x, y) of one metric; eval points sit at the number of updates they measured."""
+    x_key = "eval/updates" if key.startswith("eval/") else "step"
+    points = [(r.get(x_key, r["step"]), r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="out_dir folders holding metrics.jsonl")
+    parser.add_argument("--out", default="run.png")
+    args = parser.parse_args()
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (title, metrics) in zip(axes.flat, PANELS):
+        for run in args.runs:
+            rows = read(run)
+            for key, label in metrics:
+                x, y = series(rows, key)
+                if x:
+                    name = f"{label} [{os.path.basename(run.rstrip('/'))}]" if len(args.runs) > 1 else label
+                    ax.plot(x, y, marker="o" if key.startswith("eval/") else None, markersize=3, label=name)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
