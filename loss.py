@@ -106,6 +106,7 @@ def grpo_loss(
     entropy=None,
     entropy_coef=0.0,
     ratio_level="token",
+    is_weights=None,
 ):
     """Clipped-surrogate GRPO loss of one (micro-)batch and its metrics.
 
@@ -123,6 +124,7 @@ def grpo_loss(
     entropy:      (B, T) with grad, needed when entropy_coef > 0 (L5); also logged when given.
     ratio_level:  "token" (GRPO) or "sequence" (GSPO, L8: one ratio per completion, the geometric
                   mean of its token ratios, exp(mean_t log r_t)).
+    is_weights:   (B, T) or None: multiplies the clipped surrogate of each token (sampler_is_weights).
     Returns (loss, metrics): a scalar tensor and a dict of floats over this micro-batch's tokens.
 
     Example: one token, logprob = old, A = 2 -> r = 1, loss = -2 with token-mean.
@@ -141,6 +143,8 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)
     per_token = -torch.min(ratio * adv, clipped * adv)  # (B, T); zero grad on the clipped side
+    if is_weights is not None:  # R2: the tokens came from the sampler, not from pi_old exactly
+        per_token = per_token * is_weights.detach()
 
     kl = None
     if ref_logprobs is not None:
@@ -187,6 +191,40 @@ def _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy):
     if entropy is not None:
         out["entropy"] = mean(entropy)
     return out
+
+
+# ---------------------------------------------------------------- sampler/trainer mismatch (R2)
+
+
+def sampler_is_weights(old_logprobs, sampler_logprobs, mask, *, mode="token", cap=2.0):
+    """Importance weights for sampling from the engine's q instead of the trainer's pi_old.
+
+    vLLM and the trainer compute slightly different probabilities for the same weights (kernels,
+    dtypes), so the tokens are samples of q, not of pi_old. With rho = pi_old / q per token:
+      "token":    w_t = min(rho_t, cap), truncated IS (TRL's vllm_importance_sampling_correction)
+      "sequence": w = 1 if the sequence's geometric-mean rho lies in [1/cap, cap], else 0: a
+                  completion the trainer would hardly have sampled is masked out of the loss
+    old_logprobs, sampler_logprobs, mask: (B, T). Returns (weights (B, T), metrics).
+
+    Example: pi_old = 0.5, q = 0.25 -> rho = 2; "token" with cap 1.5 -> 1.5.
+    """
+    mask = mask.bool()
+    log_rho = torch.where(mask, old_logprobs.detach() - sampler_logprobs, 0.0)  # (B, T)
+    if mode == "token":
+        rho = torch.exp(log_rho)
+        weights = rho.clamp(max=cap)
+        limited = (rho > cap) & mask
+        frac = limited.sum().item() / max(mask.sum().item(), 1)
+    elif mode == "sequence":
+        seq = log_rho.sum(1) / mask.sum(1).clamp(min=1)  # (B,) log of the geometric mean
+        keep = seq.abs() <= math.log(cap)
+        weights = keep[:, None].to(log_rho.dtype).expand_as(log_rho)
+        frac = 1.0 - keep.float().mean().item()
+    else:
+        raise ValueError(f"mode must be 'token' or 'sequence', got {mode!r}")
+    weights = torch.where(mask, weights, 0.0)
+    n = max(mask.sum().item(), 1)
+    return weights, {"is_weight_mean": weights.sum().item() / n, "is_limited_frac": frac}
 
 
 # ---------------------------------------------------------------- adaptive KL (F2) and LR (O1)

@@ -21,7 +21,7 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def build_tiny(folder, seed=0):
+def build_tiny(folder, seed=0, tie=True):
     """A tiny Llama (2 layers, hidden 64, head_dim 32) and a byte-level BPE tokenizer trained here; cached."""
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
@@ -38,7 +38,7 @@ def build_tiny(folder, seed=0):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="<|im_end|>",
                                         pad_token="<|endoftext|>")
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    shape = {**SHAPES["tiny"], "vocab_size": len(tokenizer)}  # no rows the tokenizer cannot decode
+    shape = {**SHAPES["tiny"], "vocab_size": len(tokenizer), "tie_word_embeddings": tie}  # every row decodable
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id,
                                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None))
@@ -121,20 +121,35 @@ def load_policy(cfg, path, device, adapter=None):
     return tokenizer, policy
 
 
-def push_weights_iter(policy):
-    """(name, tensor) pairs in the base model's names, as an inference engine loads them.
+def push_weights_iter(policy, bucket_mb=256):
+    """(name, tensor) pairs in the base model's names, as an inference engine loads them (R2).
 
-    A LoRA policy is merged for the copy and unmerged after; the caller consumes the iterator
-    inside the merge. Tied embeddings: HF's state_dict lists lm_head.weight too, which vLLM needs.
+    Lazy: a sharded (FSDP2 DTensor) parameter is gathered only when its bucket of up to bucket_mb
+    is reached, so the whole model is never gathered at once on one GPU. A LoRA policy is merged
+    for the copy and unmerged after (the engine sees merged base weights; no adapter support needed).
+    Tied embeddings: HF's state_dict lists lm_head.weight too, which vLLM needs.
     """
-    if not hasattr(policy, "merge_adapter"):
-        yield from policy.state_dict().items()
-        return
-    policy.merge_adapter()
+    merged = hasattr(policy, "merge_adapter")
+    if merged:
+        policy.merge_adapter()
     try:
+        bucket, size = [], 0
         for name, tensor in policy.state_dict().items():
-            if "lora_" in name:
-                continue
-            yield name.replace("base_model.model.", "", 1).replace(".base_layer", ""), tensor
+            if merged:
+                if "lora_" in name:
+                    continue
+                name = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_mb << 20:
+                yield from _gathered(bucket)
+                bucket, size = [], 0
+        yield from _gathered(bucket)
     finally:
-        policy.unmerge_adapter()
+        if merged:
+            policy.unmerge_adapter()
+
+
+def _gathered(bucket):
+    """Full tensors of one bucket: DTensor shards are all-gathered, plain tensors pass as they are."""
+    return [(name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in bucket]

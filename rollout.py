@@ -36,16 +36,24 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_cpu_kv_cache_gb))  # GiB of KV cache on CPU
         from vllm import LLM
 
+        # R1: sleep mode hands the GPU memory to the trainer between generations. Level 1 copies the
+        # weights to CPU RAM and back; level 2 drops them, which is free here because every wake is
+        # followed by a full push (vLLM saves and restores its buffers, e.g. rotary caches, itself).
+        self.sleep_level = cfg.vllm_sleep_level if device == "cuda" else 0
+        if cfg.vllm_sleep_level and device != "cuda":
+            print("vLLM sleep mode needs a GPU; on this device the engine stays awake (no memory handoff)")
         self.llm = LLM(
             model=path,
-            dtype="float32" if cfg.dtype == "float32" or device == "cpu" and cfg.dtype != "bfloat16" else "bfloat16",
+            dtype=cfg.dtype,
             seed=cfg.seed,
             max_model_len=cfg.max_prompt_len + cfg.max_completion_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_level > 0,
             enforce_eager=device == "cpu",
             logprobs_mode="processed_logprobs",  # after temperature (R5); the default "raw" would ignore it
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.asleep = False
 
     def generate(self, prompts, n, *, temperature, top_p, top_k, max_tokens, progress=False):
         from vllm import SamplingParams
@@ -61,13 +69,30 @@ class VLLMEngine:
                             c.finish_reason == "length")
                  for c in out.outputs] for out in outputs]
 
+    def wake(self, named_tensors):
+        """R1 + R2, before generating: wake the weights, push the policy's, then wake the KV cache.
+
+        Nothing reloads weights from disk: what vLLM holds after this is exactly the trainer's weights.
+        Pushing before the KV cache is back keeps the peak at weights only.
+        """
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        self.push_weights(named_tensors)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # a stale prefix cache would serve KV computed with the previous policy
+
+    def sleep(self):
+        """R1, after generating: free the GPU memory for the update (a no-op where sleep mode is unsupported)."""
+        if self.sleep_level:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
     def push_weights(self, named_tensors):
-        """Load the trainer's weights in place, then drop every cached KV block computed with the old ones (R2)."""
-        weights = list(named_tensors)
-        self.llm.collective_rpc(lambda worker, w: worker.model_runner.reload_weights(weights_iterator=iter(w)),
-                                args=(weights,))
-        self.llm.reset_prefix_cache()  # a stale prefix cache would serve KV from the previous policy
-        # GPU sleep/wake handoff (R1) goes around this push: wake weights -> push -> wake KV cache.
+        """Load (name, tensor) pairs in place, consumed lazily: one tensor (or bucket) is materialised at a time."""
+        self.llm.collective_rpc(lambda worker, w: worker.model_runner.reload_weights(weights_iterator=w),
+                                args=(named_tensors,))
 
 
 class HFEngine:
@@ -111,5 +136,8 @@ class HFEngine:
                                     stop == gen.max_new_tokens and tokens[-1] != eos))
         return group
 
-    def push_weights(self, named_tensors):
-        """The engine samples from the policy object itself: always current."""
+    def wake(self, named_tensors):
+        """The engine samples from the policy object itself: always current, nothing to push."""
+
+    def sleep(self):
+        """Nothing to free: there is no second copy of the weights."""

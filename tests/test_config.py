@@ -123,7 +123,7 @@ def test_config_from_argv():
         (["--clip_eps_high=0.1"], "must be >= clip_eps"),
         (["--beta=-0.1"], "beta=-0.1 must be in"),
         (["--beta=2"], "beta=2.0 must be in"),
-        (["--adaptive_kl=true"], "beta=0"),
+        (["--adaptive_kl=true", "--beta=0"], "beta=0"),
         (["--micro_batch_tokens=300"], r"cannot hold one prompt plus its longest completion \(256 \+ 96 = 352\)"),
         (["--loss_agg=sum"], "choose one of"),
         (["--gpu_memory_utilization=0.95", "--gpu_memory_utilization=1.5"], "gpu_memory_utilization"),
@@ -148,7 +148,7 @@ def test_count_params_hand_worked():
 
 
 def test_memory_estimate_hand_worked():
-    cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32"])
+    cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32", "--beta=0"])
     est = estimate_memory(cfg, config.SHAPES["tiny"])
     n = count_params(config.SHAPES["tiny"])
     gib = 2**30
@@ -156,8 +156,9 @@ def test_memory_estimate_hand_worked():
     # 2 layers x 17 x 64 elements per token at 4 bytes + logits and their grad at 2 x 4 bytes x 512
     assert est["activations"] * gib == 2048 * (4 * 17 * 64 * 2 + 8 * 512)
     assert "reference" not in est  # beta = 0: no reference model (L4)
-    assert "reference" in estimate_memory(load_config(overrides=["--beta=0.01"]), config.SHAPES["tiny"])
-    ckpt_cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32", "--gradient_checkpointing=true"])
+    assert "reference" in estimate_memory(load_config(overrides=["--beta=0.001"]), config.SHAPES["tiny"])
+    ckpt_cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32", "--beta=0",
+                                      "--gradient_checkpointing=true"])
     ckpt = estimate_memory(ckpt_cfg, config.SHAPES["tiny"])
     assert ckpt["activations"] < est["activations"]
 

@@ -217,3 +217,65 @@ def test_nonfinite_step_is_skipped_and_leaves_weights_alone():
     w.grad = torch.tensor([3.0, 4.0, 0.0])
     norm, stepped = grpo.optimizer_step(optimizer, [w], 0.5, grad_clip=1.0)
     assert stepped and norm.item() == pytest.approx(5.0) and w.tolist() != [1.0, 1.0, 1.0]
+
+
+class Recorder:
+    """Forwards every call to the real object and notes it: a thin wrapper, not a mock."""
+
+    def __init__(self, target, log):
+        self._target, self._log = target, log
+
+    def __getattr__(self, name):
+        attr = getattr(self._target, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            detail = kwargs.get("tags") or kwargs.get("level") or ""
+            self._log.append(f"{name}{detail}" if detail else name)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+@requires_vllm
+def test_engine_handoff_order_over_two_steps(tmp_path):
+    """R1: wake weights -> push -> wake KV -> reset prefix cache -> generate -> sleep, every step."""
+    log = []
+
+    def record(engine):
+        engine.sleep_level = 2  # run the GPU code path; the CPU worker accepts sleep calls and ignores them
+        engine.llm = Recorder(engine.llm, log)
+        return engine
+
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=vllm",
+               "--max_steps=2", "--eval_every=0"], wrap_engine=record)
+    push = "collective_rpc"  # reload_weights with the trainer's tensors, never a path on disk
+    step0 = [push, "reset_prefix_cache", "generate", "sleep2"]  # awake after start-up: nothing to wake
+    step = ["wake_up['weights']", push, "wake_up['kv_cache']", "reset_prefix_cache", "generate", "sleep2"]
+    final_eval = ["wake_up['weights']", push, "wake_up['kv_cache']", "reset_prefix_cache", "generate", "generate"]
+    assert log == step0 + step + final_eval
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all(m["sampler_logprob_diff_max"] < 1e-3 for m in metrics)
+    assert all(m["mem/after_wake_gb"] > 0 and m["mem/after_sleep_gb"] > 0 for m in metrics)
+
+
+@requires_vllm
+def test_a_skipped_push_is_caught_by_the_parity_metric(tmp_path, capsys):
+    def skip_second_push(engine):
+        real_wake, calls = engine.wake, []
+
+        def wake(weights):
+            calls.append(1)
+            if len(calls) != 2:
+                real_wake(weights)
+
+        engine.wake = wake
+        return engine
+
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=vllm",
+               "--max_steps=3", "--eval_every=0"], wrap_engine=skip_second_push)
+    gaps = [m["sampler_logprob_diff_mean"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert gaps[0] < 1e-5 and gaps[2] < 1e-5  # pushed: the sampler has the trainer's weights
+    assert gaps[1] > 1e-3  # step 1 sampled with step 0's weights
+    assert "warning: step 1: sampler vs trainer logprob gap" in capsys.readouterr().out

@@ -359,3 +359,37 @@ def test_lr_schedule_hand_worked():
     assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
     assert lr_at(5, lr=2.0, warmup_steps=0, max_steps=10, min_lr_ratio=1.0) == 2.0  # constant
+
+
+# ---------------------------------------------------------------- sampler/trainer IS correction (R2)
+
+
+def test_sampler_is_weights_hand_worked():
+    from loss import sampler_is_weights
+
+    old = torch.tensor([[LN(0.5), LN(0.9), 0.0]])
+    sampler = torch.tensor([[LN(0.25), LN(0.9), -float("inf")]])  # the padding may hold anything
+    mask = torch.tensor([[1, 1, 0]])
+    w, m = sampler_is_weights(old, sampler, mask, mode="token", cap=1.5)
+    assert w.tolist()[0] == pytest.approx([1.5, 1.0, 0.0])  # rho = [2, 1], capped at 1.5
+    assert m == {"is_weight_mean": pytest.approx(1.25), "is_limited_frac": 0.5}
+    # sequence: geometric mean of rho = sqrt(2) = 1.414: kept under cap 1.5, masked under cap 1.2
+    w, m = sampler_is_weights(old, sampler, mask, mode="sequence", cap=1.5)
+    assert w.tolist()[0] == [1.0, 1.0, 0.0] and m["is_limited_frac"] == 0.0
+    w, m = sampler_is_weights(old, sampler, mask, mode="sequence", cap=1.2)
+    assert w.tolist()[0] == [0.0, 0.0, 0.0] and m["is_limited_frac"] == 1.0
+    with pytest.raises(ValueError, match="mode"):
+        sampler_is_weights(old, sampler, mask, mode="off")
+
+
+def test_is_weights_scale_the_surrogate_but_not_the_kl():
+    lp = torch.zeros(1, 1, requires_grad=True)
+    w = torch.tensor([[1.5]])
+    loss, _ = grpo_loss(lp, lp.detach(), torch.tensor([2.0]), torch.ones(1, 1), is_weights=w)
+    loss.backward()
+    assert loss.item() == pytest.approx(-3.0) and lp.grad.item() == pytest.approx(-3.0)
+    ref = torch.full((1, 1), LN(2))
+    kl_only = 1 - LN(2)
+    loss, _ = grpo_loss(lp, lp.detach(), torch.tensor([0.0]), torch.ones(1, 1), ref_logprobs=ref, beta=1.0,
+                        is_weights=torch.tensor([[0.0]]))
+    assert loss.item() == pytest.approx(kl_only, abs=1e-6)

@@ -55,11 +55,11 @@ def perturb(policy, scale):
 @requires_vllm
 def test_vllm_parity_after_0_1_and_5_pushes(tiny, vllm_engine):
     cfg, _, _, policy, prompts = tiny
-    vllm_engine.push_weights(push_weights_iter(policy))
+    vllm_engine.wake(push_weights_iter(policy))
     assert trainer_gap(policy, cfg, sample(vllm_engine, prompts)) < 1e-3
     for pushes in range(5):
         perturb(policy, 0.02)
-        vllm_engine.push_weights(push_weights_iter(policy))
+        vllm_engine.wake(push_weights_iter(policy))
         if pushes in (0, 4):
             assert trainer_gap(policy, cfg, sample(vllm_engine, prompts)) < 1e-3
 
@@ -67,11 +67,11 @@ def test_vllm_parity_after_0_1_and_5_pushes(tiny, vllm_engine):
 @requires_vllm
 def test_vllm_stale_weights_are_visible_and_the_push_changes_the_output(tiny, vllm_engine):
     cfg, _, _, policy, prompts = tiny
-    vllm_engine.push_weights(push_weights_iter(policy))
+    vllm_engine.wake(push_weights_iter(policy))
     before = [c.completion_ids for g in sample(vllm_engine, prompts, temperature=0.0, n=1) for c in g]
     perturb(policy, 0.2)  # not pushed: the sampler is stale
     assert trainer_gap(policy, cfg, sample(vllm_engine, prompts)) > 1e-2
-    vllm_engine.push_weights(push_weights_iter(policy))
+    vllm_engine.wake(push_weights_iter(policy))
     after = [c.completion_ids for g in sample(vllm_engine, prompts, temperature=0.0, n=1) for c in g]
     assert after != before
     assert trainer_gap(policy, cfg, sample(vllm_engine, prompts)) < 1e-3
@@ -80,7 +80,7 @@ def test_vllm_stale_weights_are_visible_and_the_push_changes_the_output(tiny, vl
 @requires_vllm
 def test_vllm_completions_fields(tiny, vllm_engine):
     cfg, _, tokenizer, policy, prompts = tiny
-    vllm_engine.push_weights(push_weights_iter(policy))
+    vllm_engine.wake(push_weights_iter(policy))
     groups = sample(vllm_engine, prompts, n=3)
     assert [len(g) for g in groups] == [3, 3]
     for prompt, group in zip(prompts, groups):
@@ -104,3 +104,32 @@ def test_hf_engine_parity_and_fields(tiny):
     before = [c.completion_ids for g in sample(engine, prompts, temperature=0.0, n=1) for c in g]
     perturb(policy, 0.2)
     assert [c.completion_ids for g in sample(engine, prompts, temperature=0.0, n=1) for c in g] != before
+
+
+@requires_vllm
+def test_vllm_parity_with_untied_embeddings(tiny, tmp_path):
+    cfg = tiny[0]
+    path = build_tiny(str(tmp_path / "untied"), tie=False)
+    _, policy = load_policy(cfg, path, "cpu")
+    assert policy.lm_head.weight.data_ptr() != policy.model.embed_tokens.weight.data_ptr()
+    perturb(policy, 0.05)  # lm_head and embeddings now differ: both must be pushed
+    engine = VLLMEngine(path, cfg, "cpu")
+    engine.wake(push_weights_iter(policy, bucket_mb=0))  # bucket_mb=0: one tensor per bucket
+    assert trainer_gap(policy, cfg, sample(engine, tiny[4])) < 1e-3
+
+
+@requires_vllm
+def test_vllm_lora_merged_push_matches_the_merged_trainer(tiny, vllm_engine):
+    from peft import LoraConfig, get_peft_model
+
+    cfg, path, _, _, prompts = tiny
+    _, base = load_policy(cfg, path, "cpu")
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a trained adapter: B is no longer 0
+    before = {k: v.clone() for k, v in lora.state_dict().items()}
+    vllm_engine.wake(push_weights_iter(lora))
+    assert all(torch.equal(before[k], v) for k, v in lora.state_dict().items())  # unmerged again after the push
+    assert trainer_gap(lora, cfg, sample(vllm_engine, prompts)) < 1e-3  # the sampler has base + B A merged
