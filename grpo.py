@@ -4,10 +4,10 @@
     python grpo.py --config config/countdown_3b.py   # Qwen2.5-3B-Instruct on Countdown, one GPU
     python grpo.py --config config/tiny.py --max_steps=4 --engine=hf
 
-Each step: sample prompts -> generate G completions per prompt -> score them with rule-based
-verifiers -> advantages relative to each prompt's group -> old and reference logprobs -> a
-PPO-clipped policy-gradient update in micro-batches -> push the new weights into the sampler ->
-log -> eval -> checkpoint.
+Each step: wake the sampling engine and push the policy's weights into it -> sample prompts ->
+generate G completions per prompt -> put the engine to sleep (its GPU memory goes to training) ->
+score with rule-based verifiers -> advantages relative to each prompt's group -> old and reference
+logprobs -> a PPO-clipped policy-gradient update in micro-batches -> log -> eval -> checkpoint.
 
 Where this departs from the GRPO paper (each is a setting in config.py):
  1. Loss averaged over all response tokens of the batch (token-mean, L2) rather than per sequence
@@ -157,6 +157,15 @@ def optimizer_step(optimizer, params, loss, grad_clip):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, stepped
+
+
+def peak_memory_gb():
+    """Peak memory so far: CUDA allocations on a GPU, the process's peak resident set on a CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def memory_gb():
@@ -338,15 +347,15 @@ def main(argv, wrap_engine=lambda engine: engine):
         print(f"resumed from {resume_from} at step {start_step}")
 
     engine = wrap_engine(VLLMEngine(path, cfg, device) if engine_name == "vllm" else HFEngine(policy, tokenizer))
-    if cfg.eval_only:
-        engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))  # M2: the same eval as during training, on the model (or init_from checkpoint) as it is
+    if cfg.eval_only:  # M2: the same eval as during training, on the model (or the init_from weights) as it is
+        engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
         results = {"weights": cfg.init_from or cfg.model, **evaluate(engine, test_problems, test_prompts, cfg, cfg.seed)}
         with open(os.path.join(cfg.out_dir, "eval.jsonl"), "a") as f:
             f.write(json.dumps(results) + "\n")
         print(json.dumps(results, indent=1))
         return policy
     logger = Logger(cfg)
-    G, checkpoint_seconds = cfg.group_size, 0.0
+    G, checkpoint_seconds, next_parity_warning = cfg.group_size, 0.0, 0
     quiet = not sys.stdout.isatty()  # progress bars only on a terminal
     print(f"GRPO: {cfg.model} on {cfg.task}, engine {engine_name}, device {device}, steps {start_step}..{cfg.max_steps}")
 
@@ -482,10 +491,12 @@ def main(argv, wrap_engine=lambda engine: engine):
                                             "is_weight_mean", "is_limited_frac") if k in sums},
             "sampler_logprob_diff_mean": sum(s for s, _ in parity) / max(mask.sum().item(), 1) if parity else None,
             "sampler_logprob_diff_max": max((m for _, m in parity), default=None),
-            "tokens": int(attention.sum()), "time/checkpoint": checkpoint_seconds, **times, **memory, **evals,
+            "tokens": int(attention.sum()), "gen_tokens": int(lengths.sum()), "mem/peak_gb": peak_memory_gb(),
+            "time/checkpoint": checkpoint_seconds, **times, **memory, **evals,
         }
         gap = metrics["sampler_logprob_diff_mean"]
-        if gap is not None and gap > cfg.parity_warn:  # R2: the sampler is not sampling from this policy
+        if gap is not None and gap > cfg.parity_warn and step >= next_parity_warning:  # R2, at most every 10 steps
+            next_parity_warning = step + 10
             print(f"warning: step {step}: sampler vs trainer logprob gap {gap:.2e} > parity_warn={cfg.parity_warn}; "
                   "usual causes: stale weights (a push skipped, or weights reloaded from disk), a temperature "
                   "mismatch, top_p/top_k < 1 (the trainer does not truncate), or dtype (bf16 sampler)")

@@ -53,6 +53,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",  # after temperature (R5); the default "raw" would ignore it
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.dtype = getattr(torch, cfg.dtype)  # the engine's weights; the trainer keeps fp32 masters
         self.asleep = False
 
     def generate(self, prompts, n, *, temperature, top_p, top_k, max_tokens, progress=False):
@@ -91,8 +92,9 @@ class VLLMEngine:
 
     def push_weights(self, named_tensors):
         """Load (name, tensor) pairs in place, consumed lazily: one tensor (or bucket) is materialised at a time."""
+        cast = ((name, t.to(self.dtype)) for name, t in named_tensors)  # as vLLM would round them, one at a time
         self.llm.collective_rpc(lambda worker, w: worker.model_runner.reload_weights(weights_iterator=w),
-                                args=(named_tensors,))
+                                args=(cast,))
 
 
 class HFEngine:

@@ -4,10 +4,9 @@ Every problem has an exact answer (an integer or a fraction in lowest terms, as 
 rewards.math_reward. Each kind is a small function that draws numbers and returns the question and its answer.
 """
 
-import random
 from fractions import Fraction
 
-from data.split import in_split
+from data.split import draw_distinct
 
 PROMPT = (
     "{question} Think step by step inside <think> </think> tags, then give the final answer as "
@@ -67,17 +66,9 @@ def math_problems(split, n, seed=0, kinds=tuple(KINDS), max_number=99):
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown math kinds {sorted(unknown)}; choose from {sorted(KINDS)}")
-    rng, seen, out, misses = random.Random(seed), set(), [], 0
-    while len(out) < n:
-        misses += 1
-        if misses > 100_000:  # 100k draws in a row found nothing new: the space is used up
-            raise ValueError(f"only {len(out)} distinct {split} problems exist for these settings, {n} asked for; "
-                             f"lower train_size/test_size or widen the ranges")
+
+    def make(rng):
         question, answer = KINDS[rng.choice(kinds)](rng, max_number)
-        key = f"math:{question}"
-        if key in seen or not in_split(key, split):
-            continue
-        seen.add(key)
-        misses = 0
-        out.append({"id": key, "task": "math", "prompt": PROMPT.format(question=question), "answer": _fmt(answer)})
-    return out
+        return f"math:{question}", {"task": "math", "prompt": PROMPT.format(question=question), "answer": _fmt(answer)}
+
+    return draw_distinct(split, n, seed, make)

@@ -5,10 +5,9 @@ A problem is made by drawing the numbers, then combining them at random, each ex
 the expression is kept as a known solution. So no problem is ever unsolvable.
 """
 
-import random
 from fractions import Fraction
 
-from data.split import in_split
+from data.split import draw_distinct
 
 PROMPT = (
     "Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
@@ -39,23 +38,15 @@ def countdown_problems(split, n, seed=0, num_counts=(3, 4), max_number=99, max_t
     Difficulty knobs: num_counts (how many numbers, drawn per problem), max_number (numbers are
     1..max_number), max_target (targets are 1..max_target). Same arguments, same problems.
     """
-    rng, seen, out, misses = random.Random(seed), set(), [], 0
-    while len(out) < n:
-        misses += 1
-        if misses > 100_000:  # 100k draws in a row found nothing new: the space is used up
-            raise ValueError(f"only {len(out)} distinct {split} problems exist for these settings, {n} asked for; "
-                             f"lower train_size/test_size or widen the ranges")
+
+    def make(rng):
         numbers = [rng.randint(1, max_number) for _ in range(rng.choice(num_counts))]
         made = random_solution(numbers, rng)
         if made is None or made[0].denominator != 1 or not 1 <= made[0] <= max_target:
-            continue
-        target, solution = int(made[0]), made[1]
-        key = f"countdown:{sorted(numbers)}:{target}"
-        if key in seen or not in_split(key, split):
-            continue
-        seen.add(key)
-        misses = 0
-        prompt = PROMPT.format(numbers=numbers, target=target)
-        out.append({"id": key, "task": "countdown", "prompt": prompt, "numbers": numbers, "target": target,
-                    "solution": solution})
-    return out
+            return None
+        target = int(made[0])
+        return f"countdown:{sorted(numbers)}:{target}", {
+            "task": "countdown", "prompt": PROMPT.format(numbers=numbers, target=target), "numbers": numbers,
+            "target": target, "solution": made[1]}
+
+    return draw_distinct(split, n, seed, make)

@@ -1,6 +1,7 @@
 """Fixed, disjoint train/test splits: a problem's split is a hash of its content, not of its position."""
 
 import hashlib
+import random
 
 TEST_PERCENT = 10  # share of all possible problems that belong to the test split
 
@@ -11,3 +12,24 @@ def in_split(key, split):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     bucket = int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100  # stable across runs and machines
     return (bucket < TEST_PERCENT) == (split == "test")
+
+
+def draw_distinct(split, n, seed, make):
+    """The first n distinct problems of `split`, drawn by make(rng) -> (key, problem dict) or None.
+
+    The key is the problem's content (it decides the split and the duplicates). Fails clearly when
+    100k draws in a row bring nothing new, i.e. the settings allow fewer than n problems.
+    """
+    rng, seen, out, misses = random.Random(seed), set(), [], 0
+    while len(out) < n:
+        misses += 1
+        if misses > 100_000:
+            raise ValueError(f"only {len(out)} distinct {split} problems exist for these settings, {n} asked for; "
+                             f"lower train_size/test_size or widen the ranges")
+        made = make(rng)
+        if made is None or made[0] in seen or not in_split(made[0], split):
+            continue
+        seen.add(made[0])
+        misses = 0
+        out.append({"id": made[0], **made[1]})
+    return out

@@ -1,0 +1,144 @@
+"""Where every second of a GRPO step goes, and what the update costs in memory (SPEC M1).
+
+    python bench.py                               # the default CPU run, both engines, 3 timed steps each
+    python bench.py --config config/tiny.py --steps 10 --engines hf
+    python bench.py --memory                      # update peak vs one plain forward+backward, same micro-batch
+
+Phases: each engine runs grpo.py in a subprocess (eval and checkpoints off) for warmup + steps + 1
+steps; the warm-up steps and the last one (which holds the final eval and save) are dropped, and
+the per-phase seconds that every step logs to metrics.jsonl are summarised. Overhead is the step
+time minus generation and the passes an update must run (reference, old, update).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PHASES = ["generate", "score", "push", "sleep", "ref", "old", "update", "checkpoint", "eval"]
+
+
+def run_engine(engine, config, overrides, steps, warmup):
+    """Per-step metrics of the timed steps of one engine."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), *(["--config", config] if config else []),
+               f"--out_dir={out}", f"--engine={engine}", f"--max_steps={warmup + steps + 1}", "--eval_every=0",
+               "--save_every=0", "--sample_every=0", *overrides]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode:
+            sys.exit(f"{engine} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    return rows[warmup:-1]
+
+
+def summarise(engine, rows):
+    """Print the phase table and return the JSON summary."""
+    step = statistics.median(r["time/step"] for r in rows)
+    print(f"\n{engine}: {len(rows)} timed steps, median {step:.2f} s a step")
+    print(f"{'phase':12s} {'median s':>9s} {'share':>7s}")
+    out = {"engine": engine, "step_s": step}
+    for phase in PHASES:
+        seconds = statistics.median(r.get(f"time/{phase}", 0.0) for r in rows)
+        out[f"{phase}_s"] = seconds
+        print(f"{phase:12s} {seconds:9.3f} {seconds / step:7.1%}")
+    overhead = statistics.median(r["time/step"] - r["time/generate"] - r["time/ref"] - r["time/old"]
+                                 - r["time/update"] for r in rows)
+    out["overhead_s"], out["overhead_share"] = overhead, overhead / step
+    out["gen_tokens_per_s"] = sum(r["gen_tokens"] for r in rows) / sum(r["time/generate"] for r in rows)
+    out["train_tokens_per_s"] = sum(r["tokens"] for r in rows) / sum(r["time/update"] for r in rows)
+    out["peak_memory_gb"] = max(r["mem/peak_gb"] for r in rows)
+    print(f"{'overhead':12s} {overhead:9.3f} {overhead / step:7.1%}   (step - generate - ref - old - update)")
+    print(f"generation {out['gen_tokens_per_s']:.0f} tokens/s | update {out['train_tokens_per_s']:.0f} tokens/s "
+          f"| peak memory {out['peak_memory_gb']:.2f} GB")
+    return out
+
+
+def peak_of(fn, device):
+    """Extra peak memory (GB) while fn runs: CUDA allocations, or the resident set on a CPU (Linux)."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key)) / 2**20  # KiB -> GiB
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set (VmHWM) to the current one
+    base = status("VmRSS")
+    fn()
+    return status("VmHWM") - base
+
+
+def memory(argv):
+    """Peak memory of our update on one full micro-batch against a plain HF forward+backward."""
+    import torch
+
+    from config import config_from_argv
+    from grpo import forward_logprobs
+    from loss import grpo_loss
+    from model import load_policy, model_path
+
+    cfg = config_from_argv(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _, policy = load_policy(cfg, model_path(cfg), device)
+    L = min(cfg.micro_batch_tokens, cfg.max_prompt_len + cfg.max_completion_len)
+    B = cfg.micro_batch_tokens // L
+    ids = torch.randint(0, policy.config.vocab_size, (B, L), device=device)
+    attention, mask = torch.ones_like(ids), torch.ones(B, L - 1, device=device)
+    mask[:, : L // 2] = 0  # the prompt half gets no loss
+
+    def plain():
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+            loss = policy(input_ids=ids, attention_mask=attention, labels=ids).loss
+        loss.backward()
+        policy.zero_grad(set_to_none=True)
+
+    def ours():
+        lp, entropy = forward_logprobs(policy, ids, attention, cfg, cfg.temperature)
+        loss, _ = grpo_loss(lp, lp.detach(), torch.randn(B, device=device), mask, ref_logprobs=lp.detach(),
+                            beta=cfg.beta, entropy=entropy, entropy_coef=cfg.entropy_coef)
+        loss.backward()
+        policy.zero_grad(set_to_none=True)
+
+    plain(), ours()  # warm the allocator
+    plain_gb = min(peak_of(plain, device) for _ in range(2))
+    ours_gb = min(peak_of(ours, device) for _ in range(2))
+    print(f"micro-batch {B} x {L} tokens on {device}: plain forward+backward {plain_gb:.3f} GB, "
+          f"GRPO update {ours_gb:.3f} GB, ratio {ours_gb / plain_gb:.2f} (target <= 1.3)")
+    print(json.dumps({"micro_batch": [B, L], "plain_gb": plain_gb, "grpo_update_gb": ours_gb,
+                      "ratio": ours_gb / plain_gb}))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="a run file; default: config.py's defaults")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per engine")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--engines", default="vllm,hf")
+    parser.add_argument("--memory", action="store_true", help="measure the update's peak memory instead")
+    args, overrides = parser.parse_known_args()
+    if args.memory:
+        return memory((["--config", args.config] if args.config else []) + overrides)
+    results = [summarise(e, run_engine(e, args.config, overrides, args.steps, args.warmup))
+               for e in args.engines.split(",")]
+    if len(results) == 2:
+        print(f"\n{results[0]['engine']} generates {results[0]['gen_tokens_per_s'] / results[1]['gen_tokens_per_s']:.1f}x "
+              f"the tokens/s of {results[1]['engine']}")
+    for r in results:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
