@@ -125,29 +125,29 @@ def push_weights_iter(policy, bucket_mb=256):
     """(name, tensor) pairs in the base model's names, as an inference engine loads them (R2).
 
     Lazy: a sharded (FSDP2 DTensor) parameter is gathered only when its bucket of up to bucket_mb
-    is reached, so the whole model is never gathered at once on one GPU. A LoRA policy is merged
-    for the copy and unmerged after (the engine sees merged base weights; no adapter support needed).
+    is reached, so the whole model is never gathered at once on one GPU. A LoRA policy is pushed
+    merged, W + scale * B A, computed as new tensors: peft's merge_adapter/unmerge_adapter would
+    round the frozen base weights a little on every push. The engine needs no LoRA support.
     Tied embeddings: HF's state_dict lists lm_head.weight too, which vLLM needs.
     """
-    merged = hasattr(policy, "merge_adapter")
-    if merged:
-        policy.merge_adapter()
-    try:
-        bucket, size = [], 0
-        for name, tensor in policy.state_dict().items():
-            if merged:
-                if "lora_" in name:
-                    continue
-                name = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_mb << 20:
-                yield from _gathered(bucket)
-                bucket, size = [], 0
-        yield from _gathered(bucket)
-    finally:
-        if merged:
-            policy.unmerge_adapter()
+    lora = {}  # base weight name -> its LoRA layer
+    for name, module in policy.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            lora[name.replace("base_model.model.", "", 1) + ".weight"] = module
+    bucket, size = [], 0
+    for name, tensor in policy.state_dict().items():
+        if "lora_" in name:
+            continue
+        name = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
+        if name in lora:
+            layer = lora[name]
+            tensor = tensor + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_mb << 20:
+            yield from _gathered(bucket)
+            bucket, size = [], 0
+    yield from _gathered(bucket)
 
 
 def _gathered(bucket):

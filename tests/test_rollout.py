@@ -131,5 +131,5 @@ def test_vllm_lora_merged_push_matches_the_merged_trainer(tiny, vllm_engine):
                 p.normal_(0, 0.1)  # a trained adapter: B is no longer 0
     before = {k: v.clone() for k, v in lora.state_dict().items()}
     vllm_engine.wake(push_weights_iter(lora))
-    assert all(torch.equal(before[k], v) for k, v in lora.state_dict().items())  # unmerged again after the push
+    assert all(torch.equal(before[k], v) for k, v in lora.state_dict().items())  # the policy is untouched by a push
     assert trainer_gap(lora, cfg, sample(vllm_engine, prompts)) < 1e-3  # the sampler has base + B A merged

