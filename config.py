@@ -64,6 +64,7 @@ class Config:
     length_penalty: float = 0.05  # W3: subtracted per length_penalty_tokens started past the soft limit
     length_penalty_tokens: int = 32  # W3: the step of the length penalty
     length_min: int = 0  # W3: completions shorter than this many tokens score 0; 0 = off
+    reward_workers: int = 0  # score in this many threads (for the code verifier, which waits on sandboxes); 0 = serial
 
     # ---- batch (R3, O3) ----
     group_size: int = 8  # R3: G completions per prompt (TRL num_generations, verl rollout.n); >= 2, warn < 4
@@ -326,7 +327,8 @@ def validate(cfg):
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
     for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay", "grad_clip", "lora_rank",
                  "length_soft_limit", "length_min", "curriculum_ramp_steps", "save_every", "eval_every",
-                 "sample_every", "sample_groups", "temperature_end", "dynamic_sampling_rounds", "ref_refresh_steps"):
+                 "sample_every", "sample_groups", "temperature_end", "dynamic_sampling_rounds", "ref_refresh_steps",
+                 "reward_workers"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
     if cfg.is_cap <= 1:

@@ -66,7 +66,7 @@ def rollout(engine, problems, prompt_ids, idx, cfg, temperature):
     start = time.perf_counter()
     rewards, components = score_batch([c.text for c in completions], [problems[i] for i in problem_ids],
                                       [len(c.completion_ids) for c in completions], cfg.math_last_number,
-                                      **cfg.reward_weights)
+                                      cfg.reward_workers, **cfg.reward_weights)
     return {"problem": problem_ids, "completions": completions, "rewards": rewards, "components": components,
             "score_seconds": time.perf_counter() - start}
 
@@ -413,6 +413,7 @@ def main(argv, wrap_engine=lambda engine: engine):
                                                                                 advantages))
         tensors = (ids, attention, mask, sampler_lp)
         batches = micro_batches(attention.sum(1).tolist(), cfg.micro_batch_tokens)
+        padded = sum(len(mb) * int(attention[mb].sum(1).max()) for mb in batches)  # tokens the passes compute
         num_tokens = int(mask.sum())  # L2: the token-mean denominator is the whole batch's response tokens
 
         # ---- old and reference logprobs, once per batch (F1, L7)
@@ -491,7 +492,7 @@ def main(argv, wrap_engine=lambda engine: engine):
                                             "is_weight_mean", "is_limited_frac") if k in sums},
             "sampler_logprob_diff_mean": sum(s for s, _ in parity) / max(mask.sum().item(), 1) if parity else None,
             "sampler_logprob_diff_max": max((m for _, m in parity), default=None),
-            "tokens": int(attention.sum()), "gen_tokens": int(lengths.sum()), "mem/peak_gb": peak_memory_gb(),
+            "tokens": int(attention.sum()), "pad_frac": 1 - int(attention.sum()) / padded, "gen_tokens": int(lengths.sum()), "mem/peak_gb": peak_memory_gb(),
             "time/checkpoint": checkpoint_seconds, **times, **memory, **evals,
         }
         gap = metrics["sampler_logprob_diff_mean"]

@@ -19,8 +19,17 @@ PANELS = [  # (title, [(metric, label)])
     ("answer format", [("reward/parsed", "tagged answer (train)"), ("format", "think+answer layout (train)")]),
     ("KL", [("kl", "token KL to reference"), ("approx_kl_old", "KL(old || new)")]),
     ("response length (tokens)", [("response_length", "train batch")]),
-    ("seconds per step", [("time/generate", "generate"), ("time/update", "update"), ("time/eval", "eval")]),
+    ("seconds per step (stacked)", "stack"),
 ]
+TIME_PHASES = ["generate", "score", "push", "sleep", "ref", "old", "update", "eval", "checkpoint"]
+
+
+def stacked_times(ax, rows):
+    """Where each step's seconds went, phase on phase (from the time/* metrics of one run)."""
+    steps = [r["step"] for r in rows if "time/step" in r]
+    layers = [[r.get(f"time/{p}", 0.0) for r in rows if "time/step" in r] for p in TIME_PHASES]
+    other = [r["time/step"] - sum(layer[i] for layer in layers) for i, r in enumerate(r for r in rows if "time/step" in r)]
+    ax.stackplot(steps, *layers, [max(o, 0.0) for o in other], labels=TIME_PHASES + ["other (logging, overhead)"])
 
 
 def read(run):
@@ -42,6 +51,9 @@ def main():
     args = parser.parse_args()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, metrics) in zip(axes.flat, PANELS):
+        if metrics == "stack":  # the first run's time budget
+            stacked_times(ax, read(args.runs[0]))
+            metrics = []
         for run in args.runs:
             rows = read(run)
             for key, label in metrics:
@@ -52,7 +64,7 @@ def main():
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if ax.lines or ax.collections:
             ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -155,12 +155,12 @@ def normalize_math(s):
 
 
 def as_fraction(s):
-    """'3', '-0.25', '(1)/(2)', '7/2' -> Fraction, else None. The fast, exact path before sympy."""
-    m = re.fullmatch(r"\(?(-?\d+(?:\.\d+)?)\)?(?:/\(?(-?\d+(?:\.\d+)?)\)?)?", s)
+    """'3', '-0.25', '(1)/(2)', '-(9)/(4)', '7/2' -> Fraction, else None: a plain number, exactly."""
+    m = re.fullmatch(r"(-?)\(?(-?\d+(?:\.\d+)?)\)?(?:/\(?(-?\d+(?:\.\d+)?)\)?)?", s)
     if not m:
         return None
-    num, den = Fraction(m.group(1)), Fraction(m.group(2) or 1)
-    return num / den if den else None
+    num, den = Fraction(m.group(2)), Fraction(m.group(3) or 1)
+    return (-1 if m.group(1) else 1) * num / den if den else None
 
 
 SYMPY_NAMES = {"sqrt", "pi", "x", "y", "z", "n", "a", "b", "c", "k"}
@@ -180,8 +180,8 @@ def _sympy_equal(a, b, conn):
 def symbolic_equal(a, b, timeout=2.0):
     """a == b by sympy, in a forked child killed after `timeout` s (sympy can hang on adversarial input)."""
     for s in (a, b):  # sympify evaluates Python: admit only arithmetic and a few known names
-        if len(s) > 100 or not re.fullmatch(r"[0-9a-z+\-*/().]*", s) or "__" in s:
-            return False
+        if len(s) > 100 or not re.fullmatch(r"[0-9a-z+\-*/().]*", s) or "__" in s or not re.search(r"[0-9a-z]", s):
+            return False  # not arithmetic over known names (e.g. a copied "...")
         if set(re.findall(r"[a-z]+", s)) - SYMPY_NAMES:
             return False
     import sympy  # noqa: F401  (imported before the fork, so the child never imports under a lock)
@@ -218,9 +218,8 @@ def math_reward(text, answer, last_number=False):
         return {**out, "format": 0.0}  # W4: an empty \boxed{} or <answer> scores nothing, not even format
     out["parsed"] = 1.0
     got, want = normalize_math(given), normalize_math(str(answer))
-    fa, fb = as_fraction(got), as_fraction(want)
-    if fa is not None and fb is not None:
-        out["correct"] = float(fa == fb)
+    if as_fraction(want) is not None:  # W4: a numeric answer must be given as a number, compared exactly;
+        out["correct"] = float(as_fraction(got) == as_fraction(want))  # "13+14" restates "what is 13 + 14?"
     else:
         out["correct"] = float(got == want or symbolic_equal(got, want))
     return out
@@ -392,13 +391,21 @@ def shape_reward(c, length, *, format_weight=0.1, correct_weight=1.0, wrong_pena
     return reward
 
 
-def score_batch(texts, problems, lengths, last_number=False, **weights):
+def score_batch(texts, problems, lengths, last_number=False, workers=0, **weights):
     """Score N completions. Returns (rewards (N,) float32, {component: (N,) float32}).
 
     texts: N completion strings; problems: N problem dicts (the problem of each completion);
     lengths: N completion lengths in tokens; last_number: see math_reward; weights: shape_reward's kwargs.
+    workers: score in this many threads; worth it when a verifier waits on child processes (code,
+    sympy), not for Countdown (microseconds, and the GIL serialises pure Python anyway). 0 = serial.
     """
-    components = [score_one(t, p, last_number) for t, p in zip(texts, problems)]
+    if workers > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            components = list(pool.map(lambda tp: score_one(*tp, last_number), zip(texts, problems)))
+    else:
+        components = [score_one(t, p, last_number) for t, p in zip(texts, problems)]
     rewards = [shape_reward(c, n, **weights) for c, n in zip(components, lengths)]
     names = sorted({k for c in components for k in c})
     per_component = {k: torch.tensor([c.get(k, 0.0) for c in components]) for k in names}

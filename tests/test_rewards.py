@@ -199,11 +199,9 @@ MATH_EQUAL = [
     (r"\frac{-9}{4}", "-2.25"),
     (r"12 \text{ cm}", "12"),
     ("x^2+2x+1", "(x+1)^2"),
-    (r"\sqrt{4}", "2"),
     (r"2\sqrt{2}", r"\sqrt{8}"),
     (r"\frac{\pi}{2}", "pi/2"),
-    (r"3 \cdot 4", "12"),
-    (r"\left(1+2\right)", "3"),
+    (r"\left(x+1\right)", "1+x"),
 ]
 
 MATH_NOT_EQUAL = [
@@ -215,6 +213,11 @@ MATH_NOT_EQUAL = [
     ("-2", "2"),
     ("__import__('os')", "0"),
     ("x**x", "1"),
+    # W4: a numeric reference needs a number: restating the sum is not computing it
+    ("13+14", "27"),
+    (r"3 \cdot 4", "12"),
+    (r"\sqrt{4}", "2"),
+    ("...", "x"),
 ]
 
 
