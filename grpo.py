@@ -350,6 +350,9 @@ def main(argv, wrap_engine=lambda engine: engine):
     if cfg.eval_only:  # M2: the same eval as during training, on the model (or the init_from weights) as it is
         engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
         results = {"weights": cfg.init_from or cfg.model, **evaluate(engine, test_problems, test_prompts, cfg, cfg.seed)}
+        greedy = engine.generate(test_prompts[:4], 1, temperature=0.0, top_p=1.0, top_k=-1,
+                                 max_tokens=cfg.max_completion_len)  # a few real completions to read
+        results["examples"] = [{"prompt": p["prompt"], "completion": g[0].text} for p, g in zip(test_problems, greedy)]
         with open(os.path.join(cfg.out_dir, "eval.jsonl"), "a") as f:
             f.write(json.dumps(results) + "\n")
         print(json.dumps(results, indent=1))

@@ -401,3 +401,13 @@ def test_random_strings_never_raise_or_hang(text):
     last_boxed(text)
     normalize_math(text[:300])
     assert time.perf_counter() - start < 0.5
+
+
+def test_threaded_scoring_gives_the_serial_result():
+    problems = [{"task": "countdown", "numbers": N, "target": T}, {"task": "math", "answer": "x+1"},
+                {"task": "code", "tests": ADD_TESTS}] * 3
+    texts = [A("3*5+7"), M("1+x"), C("def add(a, b):\n    return a + b")] * 3
+    serial = score_batch(texts, problems, [10] * 9)
+    threaded = score_batch(texts, problems, [10] * 9, workers=4)
+    assert torch.equal(serial[0], threaded[0]) and serial[0].tolist() == pytest.approx([1.1, 1.1, 1.1] * 3)
+    assert all(torch.equal(serial[1][k], threaded[1][k]) for k in serial[1])
