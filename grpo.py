@@ -60,7 +60,8 @@ def tokenize_prompts(tokenizer, problems, max_prompt_len):
 def rollout(engine, problems, prompt_ids, idx, cfg, temperature):
     """Generate G completions for each prompt index in idx and score them. Groups are contiguous."""
     groups = engine.generate([prompt_ids[i] for i in idx], cfg.group_size, temperature=temperature, top_p=cfg.top_p,
-                             top_k=cfg.top_k, max_tokens=cfg.max_completion_len, progress=sys.stdout.isatty())  # a bar
+                             top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
+                             progress=sys.stdout.isatty())  # a progress bar on a terminal
     completions = [c for g in groups for c in g]  # (N,) = len(idx) * G
     problem_ids = [i for i in idx for _ in range(cfg.group_size)]
     start = time.perf_counter()
@@ -80,6 +81,7 @@ def select_groups(batch, groups, G):
 
 
 def concat(a, b):
+    """Two rollout batches as one (R7's refills)."""
     return {"problem": a["problem"] + b["problem"], "completions": a["completions"] + b["completions"],
             "rewards": torch.cat([a["rewards"], b["rewards"]]),
             "components": {k: torch.cat([a["components"][k], b["components"][k]]) for k in a["components"]},
@@ -188,7 +190,10 @@ def temperature_at(step, cfg):
 
 
 def evaluate(engine, problems, prompt_ids, cfg, seed):
-    """pass@1 with greedy decoding, pass@k from k samples at the training temperature, format, length."""
+    """pass@1 with greedy decoding, pass@k from k samples at the training temperature, format, length.
+
+    parsed: the share of greedy answers given in a tag or a box (what unparsed_penalty rewards).
+    """
     idx = list(range(len(problems)))
     torch.manual_seed(seed)
     greedy = engine.generate([prompt_ids[i] for i in idx], 1, temperature=0.0, top_p=1.0, top_k=-1,
@@ -205,7 +210,7 @@ def evaluate(engine, problems, prompt_ids, cfg, seed):
     return {"eval/pass@1_greedy": (comps["correct"] >= 1).float().mean().item(),
             f"eval/pass@{cfg.eval_k}": solved.float().mean().item(),
             "eval/mean_correct_sampled": sampled_comps["correct"].mean().item(),
-            "eval/format": comps["format"].mean().item(),
+            "eval/format": comps["format"].mean().item(), "eval/parsed": comps["parsed"].mean().item(),
             "eval/response_length": sum(len(g[0].completion_ids) for g in greedy) / len(greedy)}
 
 
