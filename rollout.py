@@ -29,7 +29,7 @@ def vllm_available():
 
 
 class VLLMEngine:
-    """A colocated vLLM engine in this process; weights pushed from the trainer after every step (R1, R2)."""
+    """A colocated vLLM engine in this process: woken and given the policy's weights before every generation (R1, R2)."""
 
     def __init__(self, path, cfg, device):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weight pushes are plain tensor copies
