@@ -216,12 +216,15 @@ def math_reward(text, answer, last_number=False):
         return {**out, "correct": float(fa is not None and fa == fb)}
     if not given or len(given) > MAX_ANSWER_CHARS:
         return {**out, "format": 0.0}  # W4: an empty \boxed{} or <answer> scores nothing, not even format
-    out["parsed"] = 1.0
     got, want = normalize_math(given), normalize_math(str(answer))
-    if as_fraction(want) is not None:  # W4: a numeric answer must be given as a number, compared exactly;
-        out["correct"] = float(as_fraction(got) == as_fraction(want))  # "13+14" restates "what is 13 + 14?"
+    if as_fraction(want) is not None:
+        # W4: a numeric reference needs a number, compared exactly. "13+14" restates "what is 13 + 14?",
+        # and a copied "\boxed{...}" from the prompt is no answer: neither earns parsed or format credit.
+        if as_fraction(got) is None:
+            return {**out, "format": 0.0}
+        out["parsed"], out["correct"] = 1.0, float(as_fraction(got) == as_fraction(want))
     else:
-        out["correct"] = float(got == want or symbolic_equal(got, want))
+        out["parsed"], out["correct"] = 1.0, float(got == want or symbolic_equal(got, want))
     return out
 
 

@@ -231,6 +231,16 @@ def test_math_not_equal(given, answer):
     assert math_reward(M(given), answer)["correct"] == 0.0
 
 
+def test_math_placeholders_and_restated_questions_earn_nothing():
+    # W4: a numeric reference needs a number; "..." copied from the prompt's example is no answer
+    assert math_reward(M("..."), "27") == {"format": 0.0, "parsed": 0.0, "correct": 0.0}
+    assert math_reward(M("13+14"), "27") == {"format": 0.0, "parsed": 0.0, "correct": 0.0}
+    assert math_reward(M("27"), "27") == {"format": 1.0, "parsed": 1.0, "correct": 1.0}
+    assert math_reward(M("26"), "27") == {"format": 1.0, "parsed": 1.0, "correct": 0.0}
+    # with the last-number fallback, an untagged answer is judged but never counts as parsed
+    assert math_reward("13 + 14 = 27", "27", last_number=True) == {"format": 0.0, "parsed": 0.0, "correct": 1.0}
+
+
 def test_math_answer_sources_and_guards():
     assert math_reward("<think>w</think><answer>42</answer>", "42")["correct"] == 1.0  # plain <answer>
     assert math_reward(r"so the result is \boxed{42}", "42") == {"format": 0.0, "parsed": 1.0, "correct": 1.0}
