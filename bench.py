@@ -27,7 +27,7 @@ def run_engine(engine, config, overrides, steps, warmup):
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), *(["--config", config] if config else []),
                f"--out_dir={out}", f"--engine={engine}", f"--max_steps={warmup + steps + 1}", "--eval_every=0",
-               "--save_every=0", "--sample_every=0", *overrides]
+               "--save_every=0", "--sample_every=0", "--test_size=4", *overrides]  # the final eval is not timed
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if proc.returncode:
             sys.exit(f"{engine} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
