@@ -107,18 +107,6 @@ def test_hf_engine_parity_and_fields(tiny):
 
 
 @requires_vllm
-def test_vllm_parity_with_untied_embeddings(tiny, tmp_path):
-    cfg = tiny[0]
-    path = build_tiny(str(tmp_path / "untied"), tie=False)
-    _, policy = load_policy(cfg, path, "cpu")
-    assert policy.lm_head.weight.data_ptr() != policy.model.embed_tokens.weight.data_ptr()
-    perturb(policy, 0.05)  # lm_head and embeddings now differ: both must be pushed
-    engine = VLLMEngine(path, cfg, "cpu")
-    engine.wake(push_weights_iter(policy, bucket_mb=0))  # bucket_mb=0: one tensor per bucket
-    assert trainer_gap(policy, cfg, sample(engine, tiny[4])) < 1e-3
-
-
-@requires_vllm
 def test_vllm_lora_merged_push_matches_the_merged_trainer(tiny, vllm_engine):
     from peft import LoraConfig, get_peft_model
 
@@ -133,3 +121,17 @@ def test_vllm_lora_merged_push_matches_the_merged_trainer(tiny, vllm_engine):
     vllm_engine.wake(push_weights_iter(lora))
     assert all(torch.equal(before[k], v) for k, v in lora.state_dict().items())  # the policy is untouched by a push
     assert trainer_gap(lora, cfg, sample(vllm_engine, prompts)) < 1e-3  # the sampler has base + B A merged
+
+
+@requires_vllm
+def test_vllm_parity_with_untied_embeddings(tiny, tmp_path):
+    # Last in this file: vLLM keeps its parallel groups in process-global state, and tearing down this
+    # second engine tears them down under the module's shared engine too (a real run has one engine).
+    cfg = tiny[0]
+    path = build_tiny(str(tmp_path / "untied"), tie=False)
+    _, policy = load_policy(cfg, path, "cpu")
+    assert policy.lm_head.weight.data_ptr() != policy.model.embed_tokens.weight.data_ptr()
+    perturb(policy, 0.05)  # lm_head and embeddings now differ: both must be pushed
+    engine = VLLMEngine(path, cfg, "cpu")
+    engine.wake(push_weights_iter(policy, bucket_mb=0))  # bucket_mb=0: one tensor per bucket
+    assert trainer_gap(policy, cfg, sample(engine, tiny[4])) < 1e-3
