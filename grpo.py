@@ -193,6 +193,7 @@ def evaluate(engine, problems, prompt_ids, cfg, seed):
     """pass@1 with greedy decoding, pass@k from k samples at the training temperature, format, length.
 
     parsed: the share of greedy answers given in a tag or a box (what unparsed_penalty rewards).
+    Returns (metrics, greedy completion texts).
     """
     idx = list(range(len(problems)))
     torch.manual_seed(seed)
@@ -211,7 +212,7 @@ def evaluate(engine, problems, prompt_ids, cfg, seed):
             f"eval/pass@{cfg.eval_k}": solved.float().mean().item(),
             "eval/mean_correct_sampled": sampled_comps["correct"].mean().item(),
             "eval/format": comps["format"].mean().item(), "eval/parsed": comps["parsed"].mean().item(),
-            "eval/response_length": sum(len(g[0].completion_ids) for g in greedy) / len(greedy)}
+            "eval/response_length": sum(len(g[0].completion_ids) for g in greedy) / len(greedy)}, texts
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -354,10 +355,9 @@ def main(argv, wrap_engine=lambda engine: engine):
     engine = wrap_engine(VLLMEngine(path, cfg, device) if engine_name == "vllm" else HFEngine(policy, tokenizer))
     if cfg.eval_only:  # M2: the same eval as during training, on the model (or the init_from weights) as it is
         engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
-        results = {"weights": cfg.init_from or cfg.model, **evaluate(engine, test_problems, test_prompts, cfg, cfg.seed)}
-        greedy = engine.generate(test_prompts[:4], 1, temperature=0.0, top_p=1.0, top_k=-1,
-                                 max_tokens=cfg.max_completion_len)  # a few real completions to read
-        results["examples"] = [{"prompt": p["prompt"], "completion": g[0].text} for p, g in zip(test_problems, greedy)]
+        metrics, texts = evaluate(engine, test_problems, test_prompts, cfg, cfg.seed)
+        examples = [{"prompt": p["prompt"], "completion": t} for p, t in zip(test_problems[:4], texts)]  # to read
+        results = {"weights": cfg.init_from or cfg.model, **metrics, "examples": examples}
         with open(os.path.join(cfg.out_dir, "eval.jsonl"), "a") as f:
             f.write(json.dumps(results) + "\n")
         print(json.dumps(results, indent=1))
@@ -377,7 +377,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         evals = {}
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps - 1:  # M2: after `step` updates
             t0 = time.perf_counter()
-            evals = {**evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed), "eval/updates": step,
+            evals = {**evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed)[0], "eval/updates": step,
                      "time/eval": time.perf_counter() - t0}
         torch.manual_seed(cfg.seed * 1_000_003 + step)  # sampling depends on (seed, step) only: exact resume
         temperature = temperature_at(step, cfg)
@@ -530,7 +530,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         if last:
             t0 = time.perf_counter()
             engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
-            metrics.update(evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed), **{"eval/updates": step + 1})
+            metrics.update(evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed)[0], **{"eval/updates": step + 1})
             metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
         metrics["time/step"] = time.perf_counter() - t_step
         logger.log(metrics)
