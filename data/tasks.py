@@ -1,5 +1,7 @@
 """From a config to problems: the task's generator or loader for a split, and the chat form of a prompt."""
 
+import itertools
+
 from data.arith import math_problems
 from data.countdown import countdown_problems
 from data.jsonl import load_jsonl
@@ -21,11 +23,6 @@ def load_problems(cfg, split):
 
 def digits_problems(split, n):
     """The smoke-test task (rewards.digits_reward): any prompt, and digits score."""
-    keys = (f"digits:{i}" for i in range(10**6))
-    return [{"id": key, "task": "digits", "prompt": f"Write only digits, like {key[7:]}:"}
-            for key, _ in zip((k for k in keys if in_split(k, split)), range(n))]
-
-
-def chat_messages(problem):
-    """The prompt in chat form, for an instruct model's chat template."""
-    return [{"role": "user", "content": problem["prompt"]}]
+    keys = (f"digits:{i}" for i in itertools.count() if in_split(f"digits:{i}", split))
+    return [{"id": key, "task": "digits", "prompt": f"Write only digits, like {key.split(':')[1]}:"}
+            for key in itertools.islice(keys, n)]
