@@ -26,3 +26,8 @@ def digits_problems(split, n):
     keys = (f"digits:{i}" for i in itertools.count() if in_split(f"digits:{i}", split))
     return [{"id": key, "task": "digits", "prompt": f"Write only digits, like {key.split(':')[1]}:"}
             for key in itertools.islice(keys, n)]
+
+
+def chat_messages(problem):
+    """The prompt in chat form, for an instruct model's chat template."""
+    return [{"role": "user", "content": problem["prompt"]}]
