@@ -131,6 +131,9 @@ class Config:
     lora_rank: int = 0  # O5: LoRA rank through peft; 0 = full fine-tuning
     lora_alpha: int = 32  # O5: LoRA scale numerator (the update is scaled by lora_alpha / lora_rank)
 
+    # ---- several GPUs: torchrun --nproc_per_node=N grpo.py (parallel.py) ----
+    parallel: str = "fsdp"  # "fsdp" = FSDP2, weights, grads and AdamW state sharded over ranks | "ddp" = a full copy per rank
+
     # ---- pre-flight (O6) ----
     device_memory_gb: float = 0.0  # O6: GPU memory to plan against; 0 = read it from the device
 
@@ -153,6 +156,7 @@ CHOICES = {
     "device": ("auto", "cuda", "cpu"),
     "is_correction": ("off", "token", "sequence"),
     "vllm_sleep_level": (0, 1, 2),
+    "parallel": ("fsdp", "ddp"),
 }
 
 
@@ -299,6 +303,14 @@ def validate(cfg):
             f"batch_size={cfg.batch_size} is not divisible by group_size={cfg.group_size}; "
             f"use batch_size={lower or cfg.group_size} or {lower + cfg.group_size}"
         )
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    if cfg.prompts_per_step % world:
+        raise ConfigError(
+            f"{cfg.prompts_per_step} prompts per step (batch_size / group_size) cannot be split over {world} ranks; "
+            f"use batch_size={cfg.group_size * world * max(1, cfg.prompts_per_step // world)} or a multiple of it"
+        )
+    if world > 1 and cfg.parallel == "fsdp" and cfg.ref_offload:
+        raise ConfigError("ref_offload is for one process; under FSDP the reference is already sharded over ranks")
     if cfg.task not in TASKS and not (cfg.task.endswith(".jsonl") and os.path.isfile(cfg.task)):
         raise ConfigError(f"task={cfg.task!r}: choose one of {TASKS} or the path of an existing .jsonl file")
     if cfg.lora_rank and cfg.ref_refresh_steps:
@@ -414,6 +426,9 @@ def estimate_memory(cfg, shape):
     out["activations"] = (act_bytes * (per_layer * layers * cfg.micro_batch_tokens + recompute) + logits) / gib
     if cfg.beta > 0 and cfg.lora_rank == 0:
         out["reference"] = act_bytes * n / gib  # a frozen copy in compute dtype (can be offloaded, F1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    if cfg.parallel == "fsdp" and world > 1:  # each rank keeps 1/world of every sharded state (one layer gathered)
+        out = {k: v / world if k in ("weights", "optimizer", "grads", "reference") else v for k, v in out.items()}
     return out
 
 

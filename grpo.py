@@ -3,6 +3,7 @@
     python grpo.py                                   # the default run
     python grpo.py --config config/countdown_3b.py   # Qwen2.5-3B-Instruct on Countdown, one GPU
     python grpo.py --config config/tiny.py --max_steps=4 --engine=hf
+    torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py   # 8 GPUs (parallel.py)
 
 Each step: wake the sampling engine and push the policy's weights into it -> sample prompts ->
 generate G completions per prompt -> put the engine to sleep (its GPU memory goes to training) ->
@@ -33,6 +34,7 @@ import time
 import torch
 from tqdm import tqdm
 
+import parallel
 from advantage import group_advantages, group_stats
 from config import ConfigError, config_from_argv, preflight, save_config
 from data.sampler import CurriculumSampler, PromptSampler
@@ -57,10 +59,18 @@ def tokenize_prompts(tokenizer, problems, max_prompt_len):
     return out
 
 
-def rollout(engine, problems, prompt_ids, idx, cfg, temperature):
+def sampling_seeds(cfg, step, first, count):
+    """One seed per prompt from (seed, step, the prompt's place in the step's global batch) only.
+
+    Not from the rank or the run's history: a resumed run, or N ranks, sample what one straight run does.
+    """
+    return [cfg.seed * 1_000_003 + step + (first + i) * 1_000_000_007 for i in range(count)]
+
+
+def rollout(engine, problems, prompt_ids, idx, seeds, cfg, temperature):
     """Generate G completions for each prompt index in idx and score them. Groups are contiguous."""
-    groups = engine.generate([prompt_ids[i] for i in idx], cfg.group_size, temperature=temperature, top_p=cfg.top_p,
-                             top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
+    groups = engine.generate([prompt_ids[i] for i in idx], cfg.group_size, seeds=seeds, temperature=temperature,
+                             top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
                              progress=sys.stdout.isatty())  # a progress bar on a terminal
     completions = [c for g in groups for c in g]  # (N,) = len(idx) * G
     problem_ids = [i for i in idx for _ in range(cfg.group_size)]
@@ -102,7 +112,7 @@ def pad_batch(completions, pad_id):
     Returns input_ids (N, L), attention (N, L), mask (N, L-1), sampler_logprobs (N, L-1), where
     position t of mask/logprobs refers to the token input_ids[:, t + 1] (L3: prompt and padding are 0).
     """
-    L = max(len(c.prompt_ids) + len(c.completion_ids) for c in completions)
+    L = max((len(c.prompt_ids) + len(c.completion_ids) for c in completions), default=2)
     N = len(completions)
     input_ids = torch.full((N, L), pad_id, dtype=torch.long)
     attention, mask = torch.zeros(N, L, dtype=torch.long), torch.zeros(N, L - 1)
@@ -152,8 +162,9 @@ def optimizer_step(optimizer, params, loss, grad_clip):
     """O2 + L6: clip the global grad norm and step, unless the loss or the norm is not finite.
 
     Returns (grad_norm, stepped). A skipped step leaves the weights and the AdamW moments untouched.
+    `loss` is the global one, so every rank takes the same decision.
     """
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = parallel.grad_norm_value(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")))
     stepped = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
     if stepped:
         optimizer.step()
@@ -193,16 +204,17 @@ def evaluate(engine, problems, prompt_ids, cfg, seed):
     """pass@1 with greedy decoding, pass@k from k samples at the training temperature, format, length.
 
     parsed: the share of greedy answers given in a tag or a box (what unparsed_penalty rewards).
-    Returns (metrics, greedy completion texts).
+    Returns (metrics, greedy completion texts). Under torchrun every rank evaluates the whole test set
+    the same way (FSDP needs the ranks in step; test sets are small); rank 0 logs it.
     """
     idx = list(range(len(problems)))
-    torch.manual_seed(seed)
-    greedy = engine.generate([prompt_ids[i] for i in idx], 1, temperature=0.0, top_p=1.0, top_k=-1,
+    seeds = [seed + i * 1_000_000_007 for i in idx]
+    greedy = engine.generate([prompt_ids[i] for i in idx], 1, seeds=seeds, temperature=0.0, top_p=1.0, top_k=-1,
                              max_tokens=cfg.max_completion_len)
     texts = [g[0].text for g in greedy]
     _, comps = score_batch(texts, problems, [len(g[0].completion_ids) for g in greedy], cfg.math_last_number,
                            **cfg.reward_weights)
-    sampled = engine.generate([prompt_ids[i] for i in idx], cfg.eval_k, temperature=cfg.temperature,
+    sampled = engine.generate([prompt_ids[i] for i in idx], cfg.eval_k, seeds=seeds, temperature=cfg.temperature,
                               top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len)
     flat = [c for g in sampled for c in g]
     _, sampled_comps = score_batch([c.text for c in flat], [problems[i] for i in idx for _ in range(cfg.eval_k)],
@@ -224,17 +236,26 @@ def checkpoints(out_dir):
 
 
 def save_checkpoint(cfg, step, policy, ref, tokenizer, optimizer, sampler, state):
-    """Write everything to a temp folder, then rename it: a kill at any moment leaves the last one whole."""
+    """Write everything to a temp folder, then rename it: a kill at any moment leaves the last one whole.
+
+    Called on every rank: the full (unsharded) states are gathered to rank 0, which alone writes. The
+    same files whatever the number of ranks, so any number can resume them, and from_pretrained reads them.
+    """
+    model_state, optimizer_state = parallel.full_state(policy, optimizer)  # optimizer keyed by parameter name
+    ref_state = parallel.full_state(ref)[0] if cfg.ref_refresh_steps and ref is not None else None
+    if parallel.rank() > 0:
+        parallel.barrier()
+        return
     final = os.path.join(cfg.out_dir, f"ckpt_{step:06d}")
     tmp = os.path.join(cfg.out_dir, f".tmp_ckpt_{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)  # with LoRA: the adapter only
+    policy.save_pretrained(tmp, state_dict=model_state)  # with LoRA: the adapter only
     tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, os.path.join(tmp, "rng.pt"))
-    if cfg.ref_refresh_steps and ref is not None:
-        torch.save(ref.state_dict(), os.path.join(tmp, "reference.pt"))
+    if ref_state is not None:
+        torch.save(ref_state, os.path.join(tmp, "reference.pt"))
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
         json.dump({"step": step, "sampler": sampler.state_dict(), **state}, f)
     save_config(cfg, os.path.join(tmp, "grpo_config.json"))  # config.json is the HF model config
@@ -242,6 +263,7 @@ def save_checkpoint(cfg, step, policy, ref, tokenizer, optimizer, sampler, state
     os.replace(tmp, final)  # atomic on one file system
     for old in checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints]:
         shutil.rmtree(old)
+    parallel.barrier()  # the other ranks wait until the checkpoint is whole
 
 
 def truncate_log(path, step):
@@ -295,11 +317,17 @@ def main(argv, wrap_engine=lambda engine: engine):
     """Train (or with eval_only, evaluate). wrap_engine lets a test observe the real engine's calls."""
     # ---- config, pre-flight, data: everything that can fail fails before a model loads (O6)
     cfg = config_from_argv(argv)
-    preflight(cfg)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    rank, world, device = parallel.setup(device)  # under torchrun: join the process group; else (0, 1, device)
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # one console: rank 0's (errors still reach stderr)
+    preflight(cfg)
     engine_name = ("vllm" if vllm_available() else "hf") if cfg.engine == "auto" else cfg.engine
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    path = model_path(cfg)
+    with parallel.rank0_first():  # rank 0 builds or converts the model folder and tidies out_dir once
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        path = model_path(cfg)
+        for partial in glob.glob(os.path.join(cfg.out_dir, ".tmp_ckpt_*")):  # a save that was killed midway
+            shutil.rmtree(partial)
     check_model_source(path)
     resume_from = None
     if cfg.init_from:
@@ -308,26 +336,27 @@ def main(argv, wrap_engine=lambda engine: engine):
         if not checkpoints(cfg.out_dir):
             raise ConfigError(f"resume=True but {cfg.out_dir} has no complete checkpoint (ckpt_*)")
         resume_from = checkpoints(cfg.out_dir)[-1]
-    for partial in glob.glob(os.path.join(cfg.out_dir, ".tmp_ckpt_*")):  # a save that was killed midway
-        shutil.rmtree(partial)
     try:
         train_problems, test_problems = load_problems(cfg, "train"), load_problems(cfg, "test")
     except ValueError as e:  # a malformed JSONL line, or fewer distinct problems than asked for
         raise ConfigError(str(e)) from e
-    save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
+    if rank == 0:
+        save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
 
     # ---- models: the policy (fp32 master weights), the reference (F1), the optimizer (O1)
     torch.manual_seed(cfg.seed)
     weights = resume_from if resume_from and not cfg.lora_rank else (cfg.init_from or path)
     tokenizer, policy = load_policy(cfg, weights, device, adapter=resume_from if cfg.lora_rank else None)
     policy.train()
+    # under torchrun: FSDP2 shards `policy` in place (train_model is policy); DDP wraps it for the update
+    train_model = parallel.wrap(policy, cfg.parallel, cfg.dtype)
     ref = None
     if cfg.beta > 0 and not cfg.lora_rank:  # with LoRA the reference is the base: adapters disabled (F1)
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
-        ref.to("cpu" if cfg.ref_offload else device)
-    trainable = [p for p in policy.parameters() if p.requires_grad]
+        ref = parallel.wrap(ref.to("cpu" if cfg.ref_offload else device), cfg.parallel, cfg.dtype, trainable=False)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # after wrapping: FSDP2 swaps in sharded ones
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
     sampler = (CurriculumSampler(len(train_problems), cfg.seed, easy_above=cfg.curriculum_easy_above,
                                  hard_below=cfg.curriculum_hard_below, ramp_steps=cfg.curriculum_ramp_steps)
@@ -342,30 +371,35 @@ def main(argv, wrap_engine=lambda engine: engine):
         start_step, beta, kl_history = state["step"], state["beta"], state["kl_history"]
         nonfinite_in_a_row = state["nonfinite_in_a_row"]
         sampler.load_state_dict(state["sampler"])
-        optimizer.load_state_dict(torch.load(os.path.join(resume_from, "optimizer.pt"), map_location=device))
+        parallel.load_optimizer(policy, optimizer, torch.load(os.path.join(resume_from, "optimizer.pt")))
         rng = torch.load(os.path.join(resume_from, "rng.pt"), weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if ref is not None and cfg.ref_refresh_steps:
-            ref.load_state_dict(torch.load(os.path.join(resume_from, "reference.pt")))
+            parallel.load_model(ref, torch.load(os.path.join(resume_from, "reference.pt")))
         for log in ("metrics.jsonl", "samples.jsonl"):
-            truncate_log(os.path.join(cfg.out_dir, log), start_step)
+            if rank == 0:
+                truncate_log(os.path.join(cfg.out_dir, log), start_step)
         print(f"resumed from {resume_from} at step {start_step}")
 
-    engine = wrap_engine(VLLMEngine(path, cfg, device) if engine_name == "vllm" else HFEngine(policy, tokenizer))
+    engine = wrap_engine(VLLMEngine(path, cfg, device) if engine_name == "vllm" else
+                         HFEngine(policy, tokenizer, synced_gpus=world > 1 and cfg.parallel == "fsdp"))
     if cfg.eval_only:  # M2: the same eval as during training, on the model (or the init_from weights) as it is
         engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
         metrics, texts = evaluate(engine, test_problems, test_prompts, cfg, cfg.seed)
         examples = [{"prompt": p["prompt"], "completion": t} for p, t in zip(test_problems[:4], texts)]  # to read
         results = {"weights": cfg.init_from or cfg.model, **metrics, "examples": examples}
-        with open(os.path.join(cfg.out_dir, "eval.jsonl"), "a") as f:
-            f.write(json.dumps(results) + "\n")
+        if rank == 0:
+            with open(os.path.join(cfg.out_dir, "eval.jsonl"), "a") as f:
+                f.write(json.dumps(results) + "\n")
         print(json.dumps(results, indent=1))
         return policy
-    logger = Logger(cfg)
+    logger = Logger(cfg) if rank == 0 else None  # metrics, wandb and tensorboard: rank 0 only
     G, checkpoint_seconds, next_parity_warning = cfg.group_size, 0.0, 0
+    share = cfg.prompts_per_step // world  # prompts per rank, each with all its G completions
     quiet = not sys.stdout.isatty()  # progress bars only on a terminal
-    print(f"GRPO: {cfg.model} on {cfg.task}, engine {engine_name}, device {device}, steps {start_step}..{cfg.max_steps}")
+    print(f"GRPO: {cfg.model} on {cfg.task}, engine {engine_name}, device {device}, ranks {world}, "
+          f"steps {start_step}..{cfg.max_steps}")
 
     for step in range(start_step, cfg.max_steps):
         t_step, times = time.perf_counter(), {}
@@ -379,21 +413,25 @@ def main(argv, wrap_engine=lambda engine: engine):
             t0 = time.perf_counter()
             evals = {**evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed)[0], "eval/updates": step,
                      "time/eval": time.perf_counter() - t0}
-        torch.manual_seed(cfg.seed * 1_000_003 + step)  # sampling depends on (seed, step) only: exact resume
         temperature = temperature_at(step, cfg)
 
-        # ---- sample prompts, generate G completions each, score them
+        # ---- sample prompts, generate G completions each, score them. Every rank draws the same global
+        # prompts (same sampler, same seed) and keeps its contiguous slice: groups never straddle ranks
         t0 = time.perf_counter()
-        batch = rollout(engine, train_problems, train_prompts, sampler.sample(cfg.prompts_per_step), cfg, temperature)
-        rounds = 0
+        idx = parallel.my_slice(sampler.sample(cfg.prompts_per_step))
+        batch = rollout(engine, train_problems, train_prompts, idx, sampling_seeds(cfg, step, rank * share, share),
+                        cfg, temperature)
+        rounds, drawn = 0, cfg.prompts_per_step
         if cfg.dynamic_sampling:  # R7: keep only groups with a reward spread; refill with fresh prompts
             batch = select_groups(batch, informative_groups(batch["rewards"], G), G)
-            while len(batch["rewards"]) < cfg.batch_size and rounds < cfg.dynamic_sampling_rounds:
-                more = rollout(engine, train_problems, train_prompts,
-                               sampler.sample(cfg.prompts_per_step - len(batch["rewards"]) // G), cfg, temperature)
+            # refill rounds are decided on the global minimum, so every rank draws from the sampler alike
+            while (have := int(parallel.all_min(len(batch["rewards"]) // G))) < share and rounds < cfg.dynamic_sampling_rounds:
+                need = share - have  # per rank; world * need fresh prompts in all
+                more = rollout(engine, train_problems, train_prompts, parallel.my_slice(sampler.sample(need * world)),
+                               sampling_seeds(cfg, step, drawn + rank * need, need), cfg, temperature)
                 batch = concat(batch, select_groups(more, informative_groups(more["rewards"], G), G))
-                rounds += 1
-            batch = select_groups(batch, range(min(cfg.prompts_per_step, len(batch["rewards"]) // G)), G)
+                rounds, drawn = rounds + 1, drawn + need * world
+            batch = select_groups(batch, range(min(share, len(batch["rewards"]) // G)), G)
         times["time/score"] = batch["score_seconds"]
         times["time/generate"] = time.perf_counter() - t0 - times["time/score"]
 
@@ -402,15 +440,23 @@ def main(argv, wrap_engine=lambda engine: engine):
         engine.sleep()
         times["time/sleep"], memory["mem/after_sleep_gb"] = time.perf_counter() - t0, memory_gb()
         completions, rewards = batch["completions"], batch["rewards"]
-        if not completions:
+        num_seqs = int(parallel.all_sum(len(completions)))  # the global batch
+        if num_seqs == 0:
             print(f"step {step}: no group with a reward spread after {rounds} refill rounds; skipping the update")
             continue
+        # the whole batch's rewards, in single-process order, for the statistics and the log
+        everything = {"problem": parallel.all_gather_list(batch["problem"]),
+                      "rewards": torch.tensor(parallel.all_gather_list(rewards.tolist())),
+                      "components": {k: torch.tensor(parallel.all_gather_list(v.tolist()))
+                                     for k, v in batch["components"].items()},
+                      "lengths": torch.tensor(parallel.all_gather_list([float(len(c.completion_ids)) for c in completions])),
+                      "truncated": torch.tensor(parallel.all_gather_list([float(c.truncated) for c in completions]))}
 
         # ---- advantages relative to each prompt's group (A1-A4)
         advantages = group_advantages(rewards, G, scale=cfg.adv_scale, std_floor=cfg.adv_std_floor,
-                                      zero_std_groups=cfg.adv_zero_std_groups, clip=cfg.adv_clip)
-        stats = group_stats(rewards, G, correct=batch["components"]["correct"])
-        sampler.update(batch["problem"][::G], stats["pass_rate"].tolist())  # D2 (a no-op for plain shuffling)
+                                      zero_std_groups=cfg.adv_zero_std_groups, clip=cfg.adv_clip)  # this rank's groups
+        stats = group_stats(everything["rewards"], G, correct=everything["components"]["correct"])
+        sampler.update(everything["problem"][::G], stats["pass_rate"].tolist())  # D2 (a no-op for plain shuffling)
 
         # ---- tensors: response mask (L3), micro-batches under the token budget (O3)
         ids, attention, mask, sampler_lp = pad_batch(completions, tokenizer.pad_token_id)
@@ -419,10 +465,14 @@ def main(argv, wrap_engine=lambda engine: engine):
             mask = mask * (1 - truncated)[:, None]
         ids, attention, mask, sampler_lp, advantages = (t.to(device) for t in (ids, attention, mask, sampler_lp,
                                                                                 advantages))
-        tensors = (ids, attention, mask, sampler_lp)
         batches = micro_batches(attention.sum(1).tolist(), cfg.micro_batch_tokens)
-        padded = sum(len(mb) * int(attention[mb].sum(1).max()) for mb in batches)  # tokens the passes compute
-        num_tokens = int(mask.sum())  # L2: the token-mean denominator is the whole batch's response tokens
+        tokens = parallel.all_sum(attention.sum())
+        padded = parallel.all_sum(sum(len(mb) * int(attention[mb].sum(1).max()) for mb in batches))  # tokens computed
+        num_tokens = int(parallel.all_sum(mask.sum()))  # L2: the token-mean denominator: the whole batch's response tokens
+        if world > 1:  # FSDP gathers weights in every forward, DDP reduces in backward: all ranks make as many passes
+            (ids, attention, mask, sampler_lp, advantages), batches = parallel.even_micro_batches(
+                (ids, attention, mask, sampler_lp, advantages), batches)
+        tensors = (ids, attention, mask, sampler_lp)
 
         # ---- old and reference logprobs, once per batch (F1, L7)
         t0 = time.perf_counter()
@@ -449,9 +499,11 @@ def main(argv, wrap_engine=lambda engine: engine):
         sums, parity, skipped = {}, [], 0
         for epoch in range(cfg.num_iterations):
             loss_total = 0.0
-            for mb in tqdm(batches, desc=f"update {epoch + 1}/{cfg.num_iterations}", leave=False, disable=quiet):
+            for i, mb in enumerate(tqdm(batches, desc=f"update {epoch + 1}/{cfg.num_iterations}", leave=False,
+                                        disable=quiet)):
                 L = int(attention[mb].sum(1).max())
-                lp, entropy = forward_logprobs(policy, ids[mb, :L], attention[mb, :L], cfg, temperature)
+                with parallel.no_grad_sync(train_model, last=i == len(batches) - 1):  # DDP decides in the forward
+                    lp, entropy = forward_logprobs(train_model, ids[mb, :L], attention[mb, :L], cfg, temperature)
                 m_mask, old = mask[mb, : L - 1], old_lp[mb, : L - 1] if old_lp is not None else lp.detach()
                 is_weights, is_metrics = None, {}
                 if cfg.is_correction != "off":  # R2: correct for sampling from vLLM's q rather than pi_old
@@ -461,16 +513,19 @@ def main(argv, wrap_engine=lambda engine: engine):
                     lp, old, advantages[mb], m_mask,
                     ref_logprobs=ref_lp[mb, : L - 1] if ref_lp is not None else None, beta=beta,
                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high_eff, agg=cfg.loss_agg,
-                    num_tokens=num_tokens, num_seqs=len(completions), max_len=cfg.max_completion_len,
+                    num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_completion_len,
                     entropy=entropy, entropy_coef=cfg.entropy_coef, ratio_level=cfg.ratio_level, is_weights=is_weights)
                 mb_metrics.update(is_metrics)
-                loss.backward()  # micro-batch losses share the batch denominator, so gradients add up (L2)
+                # micro-batch losses share the global batch's denominator, so gradients add up (L2); DDP and
+                # FSDP average gradients over ranks, where the batch's gradient is their sum: hence x world
+                (loss * world).backward()
                 loss_total += loss.item()
                 for k, v in mb_metrics.items():  # token-weighted sums over micro-batches
                     sums[k] = sums.get(k, 0.0) + (v * mb_metrics["num_tokens"] if k != "num_tokens" else v)
-                if epoch == 0 and completions[0].logprobs:  # R2: sampler vs trainer on the same weights
+                if epoch == 0 and completions and completions[0].logprobs:  # R2: sampler vs trainer, same weights
                     diff = (lp.detach() - sampler_lp[mb, : L - 1]).abs() * m_mask
                     parity.append((diff.sum().item(), diff.max().item()))
+            loss_total = parallel.all_sum(loss_total)  # the global loss: every rank skips or steps alike
             grad_norm, stepped = optimizer_step(optimizer, trainable, loss_total, cfg.grad_clip)
             nonfinite_in_a_row = 0 if stepped else nonfinite_in_a_row + 1
             if not stepped:  # L6: the step was skipped; count it, and stop when it keeps happening
@@ -481,26 +536,29 @@ def main(argv, wrap_engine=lambda engine: engine):
         times["time/update"] = time.perf_counter() - t0
 
         if cfg.ref_refresh_steps and (step + 1) % cfg.ref_refresh_steps == 0:  # F1: the reference catches up
-            ref.load_state_dict(policy.state_dict())
+            ref.load_state_dict(policy.state_dict())  # under FSDP2: shard to shard, both sharded alike
 
-        # ---- log (M1)
+        # ---- log (M1): global figures (sums over ranks), written by rank 0
+        sums = {k: parallel.all_sum(v) for k, v in sums.items()}
         n_tok = max(sums.get("num_tokens", 0.0), 1.0)
         kl = sums["kl"] / n_tok if "kl" in sums else None
-        lengths = torch.tensor([float(len(c.completion_ids)) for c in completions])
+        rewards_all, components_all, lengths = everything["rewards"], everything["components"], everything["lengths"]
+        has_parity = parallel.all_max(len(parity)) > 0
         metrics = {
-            "step": step, "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-            **{f"reward/{k}": v.mean().item() for k, v in batch["components"].items()},
-            "acc": batch["components"]["correct"].mean().item(), "format": batch["components"]["format"].mean().item(),
-            "response_length": lengths.mean().item(), "truncated": truncated.mean().item(),
+            "step": step, "reward": rewards_all.mean().item(), "reward_std": rewards_all.std().item(),
+            **{f"reward/{k}": v.mean().item() for k, v in components_all.items()},
+            "acc": components_all["correct"].mean().item(), "format": components_all["format"].mean().item(),
+            "response_length": lengths.mean().item(), "truncated": everything["truncated"].mean().item(),
             "group_std": stats["group_std"], "effective_group_ratio": stats["effective_group_ratio"],
             "frac_reward_zero_std": stats["frac_reward_zero_std"],
             "loss": loss_total, "kl": kl, "grad_norm": grad_norm.item(), "lr": lr, "beta": beta,
             "temperature": temperature, "skipped_updates": skipped, "refill_rounds": rounds,
             **{k: sums[k] / n_tok for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy",
                                             "is_weight_mean", "is_limited_frac") if k in sums},
-            "sampler_logprob_diff_mean": sum(s for s, _ in parity) / max(mask.sum().item(), 1) if parity else None,
-            "sampler_logprob_diff_max": max((m for _, m in parity), default=None),
-            "tokens": int(attention.sum()), "pad_frac": 1 - int(attention.sum()) / padded, "gen_tokens": int(lengths.sum()), "mem/peak_gb": peak_memory_gb(),
+            "sampler_logprob_diff_mean": parallel.all_sum(sum(s for s, _ in parity)) / max(num_tokens, 1) if has_parity else None,
+            "sampler_logprob_diff_max": parallel.all_max(max((m for _, m in parity), default=0.0)) if has_parity else None,
+            "tokens": int(tokens), "pad_frac": 1 - tokens / padded, "gen_tokens": int(lengths.sum()),
+            "mem/peak_gb": peak_memory_gb(),
             "time/checkpoint": checkpoint_seconds, **times, **memory, **evals,
         }
         gap = metrics["sampler_logprob_diff_mean"]
@@ -515,7 +573,7 @@ def main(argv, wrap_engine=lambda engine: engine):
                 beta = adaptive_kl_beta(beta, sum(kl_history) / len(kl_history), high=cfg.kl_high, low=cfg.kl_low,
                                         up=cfg.kl_up, down=cfg.kl_down)
                 kl_history = []
-        if cfg.sample_every and step % cfg.sample_every == 0:  # W6: whole groups, readable by rewards.py --replay
+        if cfg.sample_every and step % cfg.sample_every == 0 and rank == 0:  # W6: rank 0's first groups; --replay reads them
             with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
                 for r in range(min(cfg.sample_groups * G, len(completions))):
                     c = completions[r]
@@ -533,7 +591,8 @@ def main(argv, wrap_engine=lambda engine: engine):
             metrics.update(evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed)[0], **{"eval/updates": step + 1})
             metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
         metrics["time/step"] = time.perf_counter() - t_step
-        logger.log(metrics)
+        if rank == 0:
+            logger.log(metrics)
         t0 = time.perf_counter()
         if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             save_checkpoint(cfg, step + 1, policy, ref, tokenizer, optimizer, sampler,

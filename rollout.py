@@ -2,8 +2,11 @@
 
 Both engines take prompts as token ids and return, per prompt, a list of G `Completion`s with the
 sampler's own logprob of every sampled token, taken from logits / temperature (R5) so they are
-directly comparable with the trainer's recomputed logprobs. Both are reseeded through torch's
-global RNG before each call (grpo.py), which makes a resumed run sample exactly what it would have.
+directly comparable with the trainer's recomputed logprobs. Each prompt comes with a seed that
+depends on (seed, step, the prompt's place in the step's global batch) only, so a resumed run
+samples exactly what it would have. HF seeds every prompt with its own seed, so N ranks sample what
+one process does; vLLM seeds the whole call with the first prompt's seed (a per-request seed
+crashes vLLM's CPU sampler and slows its GPU one).
 """
 
 import os
@@ -11,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
+
+import parallel
 
 
 @dataclass
@@ -39,8 +44,9 @@ class VLLMEngine:
         # R1: sleep mode hands the GPU memory to the trainer between generations. Level 1 copies the
         # weights to CPU RAM and back; level 2 drops them, which is free here because every wake is
         # followed by a full push (vLLM saves and restores its buffers, e.g. rotary caches, itself).
-        self.sleep_level = cfg.vllm_sleep_level if device == "cuda" else 0
-        if cfg.vllm_sleep_level and device != "cuda":
+        on_gpu = torch.device(device).type == "cuda"  # "cuda" or, under torchrun, "cuda:<local rank>"
+        self.sleep_level = cfg.vllm_sleep_level if on_gpu else 0
+        if cfg.vllm_sleep_level and not on_gpu:
             print("vLLM sleep mode needs a GPU; on this device the engine stays awake (no memory handoff)")
         self.llm = LLM(
             model=path,
@@ -49,16 +55,19 @@ class VLLMEngine:
             max_model_len=cfg.max_prompt_len + cfg.max_completion_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_sleep_mode=self.sleep_level > 0,
-            enforce_eager=device == "cpu",
+            enforce_eager=not on_gpu,
             logprobs_mode="processed_logprobs",  # after temperature (R5); the default "raw" would ignore it
+            # under torchrun: one engine per rank, each on its own GPU, joined to torchrun's process group
+            distributed_executor_backend="external_launcher" if parallel.launched else None,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype = getattr(torch, cfg.dtype)  # the engine's weights; the trainer keeps fp32 masters
         self.asleep = False
 
-    def generate(self, prompts, n, *, temperature, top_p, top_k, max_tokens, progress=False):
+    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, progress=False):
         from vllm import SamplingParams
 
+        torch.manual_seed(seeds[0])  # the in-process engine samples from torch's global generator
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 logprobs=0 if temperature > 0 else None)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
@@ -100,11 +109,12 @@ class VLLMEngine:
 class HFEngine:
     """`model.generate` on the policy itself: no second copy of the weights, so nothing to push."""
 
-    def __init__(self, policy, tokenizer):
-        self.policy, self.tokenizer = policy, tokenizer
+    def __init__(self, policy, tokenizer, synced_gpus=False):
+        # FSDP2 gathers weights in every forward: all ranks must keep stepping until the slowest is done
+        self.policy, self.tokenizer, self.synced_gpus = policy, tokenizer, synced_gpus
 
     @torch.no_grad()
-    def generate(self, prompts, n, *, temperature, top_p, top_k, max_tokens, progress=False):
+    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, progress=False):
         from transformers import GenerationConfig
 
         greedy = temperature == 0
@@ -117,13 +127,16 @@ class HFEngine:
         self.policy.eval()
         # One prompt at a time: its n rows share the prompt, so there is no padding, and the positions
         # match the trainer's exactly (left padding would shift them).
-        groups = [self._group(p, gen, greedy) for p in tqdm(prompts, desc="generate", disable=not progress, leave=False)]
+        groups = [self._group(p, seed, gen, greedy)
+                  for p, seed in tqdm(list(zip(prompts, seeds)), desc="generate", disable=not progress, leave=False)]
         self.policy.train(was_training)
         return groups
 
-    def _group(self, prompt, gen, greedy):
+    def _group(self, prompt, seed, gen, greedy):
         device, eos = next(self.policy.parameters()).device, self.tokenizer.eos_token_id
-        out = self.policy.generate(input_ids=torch.tensor([prompt], device=device), generation_config=gen)
+        torch.manual_seed(seed)
+        out = self.policy.generate(input_ids=torch.tensor([prompt], device=device), generation_config=gen,
+                                   synced_gpus=self.synced_gpus)
         sampled = out.sequences[:, len(prompt) :]  # (n, new)
         # scores are the processed logits (after temperature, top-k, top-p) that each token was sampled from
         logprobs = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)  # (n, new, V)

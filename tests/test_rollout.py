@@ -42,8 +42,8 @@ def trainer_gap(policy, cfg, groups):
 
 
 def sample(engine, prompts, temperature=TEMPERATURE, n=4):
-    torch.manual_seed(0)
-    return engine.generate(prompts, n, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=24)
+    return engine.generate(prompts, n, seeds=list(range(len(prompts))), temperature=temperature, top_p=1.0, top_k=-1,
+                           max_tokens=24)
 
 
 def perturb(policy, scale):

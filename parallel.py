@@ -1,0 +1,186 @@
+"""Several GPUs with torchrun: set-up, FSDP2 or DDP, global sums, full-state checkpoints.
+
+    torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py           # FSDP2 (default)
+    torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py --parallel=ddp
+    torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --nproc_per_node=8 grpo.py ...   # two machines
+
+Data parallel over ranks. Every rank draws the same global list of prompts (same seed) and keeps
+its own contiguous slice, with all G completions of each of its prompts, so group advantages need
+no communication. Each rank samples with its own colocated engine, then computes its share of the
+loss with the global denominators (response tokens, sequences, all-reduced here). DDP and FSDP2
+average gradients over ranks, so each rank's loss is scaled by the world size: the gradient is
+then exactly the single-process gradient of the whole batch (tests/test_parallel.py checks it).
+
+Without torchrun (no RANK in the environment) every function here is a no-op on one process.
+"""
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+# True once setup() has joined torchrun's process group. Not dist.is_initialized(): a single-process
+# vLLM engine initialises torch.distributed (world size 1) on its own.
+launched = False
+
+
+def setup(device):
+    """(rank, world, device): join torchrun's process group when launched by it, else (0, 1, device)."""
+    global launched
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    # gloo for CPU tensors even on GPUs: object gathers and the CPU-side counts go through it
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
+    launched = True
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def world():
+    return dist.get_world_size() if launched else 1
+
+
+def rank():
+    return dist.get_rank() if launched else 0
+
+
+def barrier():
+    if launched:
+        dist.barrier()
+
+
+def my_slice(items):
+    """This rank's contiguous share of a list that every rank holds whole (len divisible by the world size)."""
+    k = len(items) // world()
+    return items[rank() * k : (rank() + 1) * k]
+
+
+def all_sum(x):
+    """Sum of a number over ranks, as a float."""
+    if not launched:
+        return float(x)
+    t = torch.tensor(float(x), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def all_max(x):
+    if not launched:
+        return x
+    t = torch.tensor(float(x), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def all_min(x):
+    return -all_max(-x)
+
+
+def all_gather_list(items):
+    """Every rank's list concatenated in rank order: with contiguous slices, the single-process order."""
+    if not launched:
+        return list(items)
+    out = [None] * world()
+    dist.all_gather_object(out, list(items))
+    return [x for part in out for x in part]
+
+
+def wrap(model, mode, dtype, trainable=True):
+    """FSDP2 (shard each decoder layer, then the whole model) or DDP; `model` as it is on one process.
+
+    FSDP2 shards in place: `model` stays the HF object (save_pretrained, generate, state_dict keep
+    working) and its parameters become DTensors. With bf16, FSDP2 gathers parameters in bf16 and
+    reduces gradients in fp32; the fp32 shards stay the master weights (O5). DDP returns a wrapper;
+    the caller keeps the plain model for everything but the training forward.
+    """
+    if not launched:
+        return model
+    if mode == "ddp":
+        if not trainable:  # a frozen reference: nothing to synchronise, a full copy per rank
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(model.parameters()).device
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bfloat16"
+          else MixedPrecisionPolicy())  # float32: gather and reduce as stored
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # HF names its decoder layer class here
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"FSDP: found no decoder layers ({layer_classes}) in {type(model).__name__}; use --parallel=ddp")
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def no_grad_sync(train_model, last):
+    """DDP: all-reduce gradients once, on the last micro-batch. FSDP2 reduce-scatters every micro-batch,
+    which keeps gradients sharded (skipping it would hold a whole unsharded gradient per rank)."""
+    if last or not hasattr(train_model, "no_sync"):
+        return contextlib.nullcontext()
+    return train_model.no_sync()
+
+
+def full_state(model, optimizer=None):
+    """(model state, optimizer state), whole and on the CPU of rank 0 (empty elsewhere); called on every rank.
+
+    Parameter names (not ids) key the optimizer state, so a checkpoint from N ranks loads on M.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return model_state, optim_state
+
+
+def load_optimizer(model, optimizer, state):
+    """Load a full, name-keyed optimizer state (from full_state) into this rank's, sharded as the model is."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def grad_norm_value(norm):
+    """clip_grad_norm_ returns a DTensor under FSDP2 (already the global norm); a plain tensor otherwise."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+@contextlib.contextmanager
+def rank0_first():
+    """Rank 0 runs the block first (it builds or converts a cached folder); the others run it after."""
+    if rank() > 0:
+        barrier()
+    yield
+    if rank() == 0:
+        barrier()
+
+
+def load_model(model, state):
+    """Load a full state dict (from full_state) into a model, sharded or not."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def even_micro_batches(tensors, batches):
+    """Give this rank as many micro-batches as the rank with the most, for FSDP and DDP's collectives.
+
+    The extra micro-batches hold one added row: token 0 everywhere, attended (no fully masked softmax),
+    with a zero loss mask, so its loss and gradient are exactly 0. tensors: (ids, attention, mask, ...),
+    rows first, attention second.
+    """
+    missing = int(all_max(len(batches))) - len(batches)
+    if missing == 0:
+        return tensors, batches
+    row = len(tensors[0])
+    tensors = [torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in tensors]
+    tensors[1][row] = 1  # attention
+    return tensors, batches + [[row]] * missing

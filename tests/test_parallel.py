@@ -1,0 +1,151 @@
+"""torchrun with 2 CPU processes (gloo) against one process on the same global batch.   pytest tests/test_parallel.py
+
+FSDP2 and DDP must give the single-process run's samples, losses and weights (float32, within
+1e-5), write their files once, and hand checkpoints back and forth between 1 and 2 ranks.
+The HF engine seeds every prompt from its place in the global batch, so 2 ranks sample exactly
+what one process does; each run is ~10-20 s of start-up on this CPU.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import parallel
+from grpo import forward_logprobs, pad_batch
+from loss import grpo_loss
+from rollout import Completion, vllm_available
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"), reason="vllm not installed")
+# float32, a KL term (so the sharded reference runs too), several micro-batches per rank, a save every step
+ARGS = ["--config", os.path.join(ROOT, "config", "tiny.py"), "--engine=hf", "--dtype=float32", "--max_steps=3",
+        "--lr=1e-3", "--beta=0.01", "--eval_every=0", "--save_every=1", "--keep_checkpoints=5", "--sample_every=1",
+        "--sample_groups=2", "--micro_batch_tokens=128"]
+
+
+def run(out_dir, ranks, *extra):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    cmd = (launcher if ranks > 1 else [sys.executable]) + [os.path.join(ROOT, "grpo.py"), *ARGS,
+                                                            f"--out_dir={out_dir}", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def weights(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict()  # what a user would load
+
+
+def max_weight_diff(a, b):
+    wa, wb = weights(a), weights(b)
+    assert set(wa) == set(wb)
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 3 steps on one process, on 2 ranks with FSDP2, and on 2 ranks with DDP."""
+    base = tmp_path_factory.mktemp("parallel")
+    out = {"single": base / "single", "fsdp": base / "fsdp", "ddp": base / "ddp"}
+    run(out["single"], 1)
+    run(out["fsdp"], 2, "--parallel=fsdp")
+    run(out["ddp"], 2, "--parallel=ddp")
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_two_ranks_match_one_process(runs, mode):
+    one, two = read_jsonl(runs["single"] / "metrics.jsonl"), read_jsonl(runs[mode] / "metrics.jsonl")
+    assert [m["step"] for m in two] == [0, 1, 2]
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"] and a["response_length"] == b["response_length"]  # the same samples
+        assert a["tokens"] == b["tokens"]
+        for key in ("loss", "kl", "grad_norm", "entropy", "clip_frac_low", "sampler_logprob_diff_mean"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
+    assert one[-1]["kl"] > 0 and one[-1]["loss"] != 0  # a real update, not a no-op that trivially agrees
+    # rank 0 dumps its own groups, which are the first groups of the global batch
+    dumped = [(s["step"], s["completion"]) for s in read_jsonl(runs[mode] / "samples.jsonl")]
+    assert dumped == [(s["step"], s["completion"]) for s in read_jsonl(runs["single"] / "samples.jsonl")]
+    assert max_weight_diff(runs["single"] / "ckpt_000003", runs[mode] / "ckpt_000003") < 1e-5
+    opt_one = torch.load(runs["single"] / "ckpt_000003" / "optimizer.pt")
+    opt_two = torch.load(runs[mode] / "ckpt_000003" / "optimizer.pt")
+    assert opt_one["state"].keys() == opt_two["state"].keys()  # keyed by parameter name, whatever the sharding
+    for name, state in opt_one["state"].items():
+        assert torch.allclose(state["exp_avg"], opt_two["state"][name]["exp_avg"], atol=1e-6)
+
+
+def test_only_rank_zero_writes(runs):
+    out = runs["fsdp"]
+    assert sorted(os.listdir(out)) == ["ckpt_000001", "ckpt_000002", "ckpt_000003", "config.json", "metrics.jsonl",
+                                       "samples.jsonl", "tiny_model"]
+    assert len(read_jsonl(out / "metrics.jsonl")) == 3  # one line per step, not one per rank
+    assert len(read_jsonl(out / "samples.jsonl")) == 3 * 2 * 4  # 3 steps x 2 groups x G=4, once
+    assert sorted(os.listdir(out / "ckpt_000003")) == sorted(os.listdir(runs["single"] / "ckpt_000003"))
+
+
+def resume_from(source, out_dir, step):
+    """A fresh out_dir holding only `source`'s checkpoint of `step` and its log up to then."""
+    os.makedirs(out_dir)
+    shutil.copytree(source / f"ckpt_{step:06d}", out_dir / f"ckpt_{step:06d}")
+    shutil.copytree(source / "tiny_model", out_dir / "tiny_model")
+    shutil.copy(source / "metrics.jsonl", out_dir / "metrics.jsonl")  # resume cuts the lines after `step`
+
+
+@pytest.mark.parametrize("source, ranks", [("fsdp", 1), ("single", 2)])
+def test_checkpoint_resumes_on_another_number_of_ranks(runs, tmp_path, source, ranks):
+    out = tmp_path / f"{source}_on_{ranks}"
+    resume_from(runs[source], out, step=2)
+    run(out, ranks, "--resume=true")
+    log = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in log] == [0, 1, 2]
+    assert abs(log[2]["loss"] - read_jsonl(runs["single"] / "metrics.jsonl")[2]["loss"]) < 1e-5
+    assert max_weight_diff(runs["single"] / "ckpt_000003", out / "ckpt_000003") < 1e-5
+
+
+@requires_vllm
+def test_vllm_engine_per_rank_gets_the_sharded_weights(tmp_path):
+    """One vLLM engine per rank (external_launcher); each is pushed the FSDP2-sharded policy every step."""
+    out = tmp_path / "vllm"
+    run(out, 2, "--engine=vllm", "--save_every=0", "--sample_every=0")
+    log = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in log] == [0, 1, 2]
+    for m in log:  # fp32 on both sides: after each update the engines sample from exactly the trainer's weights
+        assert m["sampler_logprob_diff_max"] < 1e-4, m["sampler_logprob_diff_max"]
+    assert log[-1]["kl"] > 0
+
+
+def test_padding_micro_batches_add_nothing(monkeypatch, tmp_path):
+    """A rank with fewer micro-batches gets extra ones whose loss and gradient are exactly 0."""
+    from transformers import AutoModelForCausalLM
+
+    from config import load_config
+    from model import build_tiny
+
+    cfg = load_config(os.path.join(ROOT, "config", "tiny.py"), ["--dtype=float32"])
+    folder = build_tiny(str(tmp_path / "tiny"))
+    policy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    rows = [Completion([5, 6, 7], [8, 9, 10, 11], "", [-1.0] * 4, False), Completion([5, 6], [12, 13], "", [-1.0] * 2,
+                                                                                        False)]
+    ids, attention, mask, sampler_lp = pad_batch(rows, pad_id=0)
+    advantages = torch.tensor([1.0, -1.0])
+    monkeypatch.setattr(parallel, "all_max", lambda x: 3)  # another rank has 3 micro-batches; this one has 1
+    (ids, attention, mask, sampler_lp, advantages), batches = parallel.even_micro_batches(
+        (ids, attention, mask, sampler_lp, advantages), [[0, 1]])
+    assert batches == [[0, 1], [2], [2]] and ids.shape[0] == 3 and mask[2].sum() == 0 and attention[2].sum() > 0
+    lp, _ = forward_logprobs(policy, ids[[2]], attention[[2]], cfg, 1.0)
+    loss, _ = grpo_loss(lp, lp.detach(), advantages[[2]], mask[[2]], num_tokens=6, num_seqs=2, max_len=4)
+    loss.backward()
+    assert loss.item() == 0 and torch.isfinite(lp).all()
+    assert all(p.grad is None or p.grad.abs().max() == 0 for p in policy.parameters())
