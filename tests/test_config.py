@@ -209,3 +209,26 @@ def test_save_config_round_trip(tmp_path):
     config.save_config(cfg, tmp_path / "config.json")
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model"] == "tiny" and saved["prompts_per_step"] == 4 and saved["adam_betas"] == [0.9, 0.99]
+
+
+def test_ranks_must_split_the_prompts(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun sets it
+    with pytest.raises(ConfigError, match="8 prompts per step .* cannot be split over 3 ranks; use batch_size=48"):
+        load_config(overrides=["--batch_size=64", "--group_size=8"])
+    assert load_config(overrides=["--batch_size=48", "--group_size=8"]).prompts_per_step == 6
+    with pytest.raises(ConfigError, match="ref_offload"):
+        load_config(overrides=["--batch_size=48", "--ref_offload=true"])
+    assert load_config(overrides=["--batch_size=48", "--ref_offload=true", "--parallel=ddp"]).ref_offload
+
+
+def test_fsdp_memory_estimate_is_sharded(monkeypatch):
+    path = os.path.join(ROOT, "config", "countdown_3b.py")
+    one = estimate_memory(load_config(path), config.SHAPES["Qwen/Qwen2.5-3B-Instruct"])
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    fsdp = estimate_memory(load_config(path), config.SHAPES["Qwen/Qwen2.5-3B-Instruct"])
+    ddp = estimate_memory(load_config(path, ["--parallel=ddp"]), config.SHAPES["Qwen/Qwen2.5-3B-Instruct"])
+    for k in ("weights", "optimizer", "grads", "reference"):
+        assert fsdp[k] == pytest.approx(one[k] / 8) and ddp[k] == one[k]
+    assert fsdp["activations"] == one["activations"]  # each rank still runs whole micro-batches
+    # sharded over 8 ranks, the update that one process cannot fit on a 40 GB card fits
+    preflight(load_config(path, ["--device_memory_gb=40"]))
