@@ -98,6 +98,15 @@ def concat(a, b):
             "score_seconds": a["score_seconds"] + b["score_seconds"]}
 
 
+def gather_batch(batch):
+    """Prompts, rewards, components, lengths of every rank's rollouts, in rank order (= one process's order)."""
+    gather = parallel.all_gather_list
+    return {"problem": gather(batch["problem"]), "rewards": torch.tensor(gather(batch["rewards"].tolist())),
+            "components": {k: torch.tensor(gather(v.tolist())) for k, v in batch["components"].items()},
+            "lengths": torch.tensor(gather([float(len(c.completion_ids)) for c in batch["completions"]])),
+            "truncated": torch.tensor(gather([float(c.truncated) for c in batch["completions"]]))}
+
+
 def informative_groups(rewards, G):
     """Indices of groups whose rewards are not all equal (R7: the others have zero advantage)."""
     return [g for g, row in enumerate(rewards.view(-1, G)) if row.max() > row.min()]
@@ -164,7 +173,8 @@ def optimizer_step(optimizer, params, loss, grad_clip):
     Returns (grad_norm, stepped). A skipped step leaves the weights and the AdamW moments untouched.
     `loss` is the global one, so every rank takes the same decision.
     """
-    grad_norm = parallel.grad_norm_value(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = parallel.grad_norm_value(grad_norm)  # FSDP2: a DTensor holding the global norm
     stepped = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
     if stepped:
         optimizer.step()
@@ -377,9 +387,8 @@ def main(argv, wrap_engine=lambda engine: engine):
         random.setstate(rng["python"])
         if ref is not None and cfg.ref_refresh_steps:
             parallel.load_model(ref, torch.load(os.path.join(resume_from, "reference.pt")))
-        for log in ("metrics.jsonl", "samples.jsonl"):
-            if rank == 0:
-                truncate_log(os.path.join(cfg.out_dir, log), start_step)
+        for log in ("metrics.jsonl", "samples.jsonl") if rank == 0 else ():
+            truncate_log(os.path.join(cfg.out_dir, log), start_step)
         print(f"resumed from {resume_from} at step {start_step}")
 
     engine = wrap_engine(VLLMEngine(path, cfg, device) if engine_name == "vllm" else
@@ -425,8 +434,9 @@ def main(argv, wrap_engine=lambda engine: engine):
         if cfg.dynamic_sampling:  # R7: keep only groups with a reward spread; refill with fresh prompts
             batch = select_groups(batch, informative_groups(batch["rewards"], G), G)
             # refill rounds are decided on the global minimum, so every rank draws from the sampler alike
-            while (have := int(parallel.all_min(len(batch["rewards"]) // G))) < share and rounds < cfg.dynamic_sampling_rounds:
-                need = share - have  # per rank; world * need fresh prompts in all
+            while (fewest := int(parallel.all_min(len(batch["rewards"]) // G))) < share \
+                    and rounds < cfg.dynamic_sampling_rounds:
+                need = share - fewest  # per rank; world * need fresh prompts in all
                 more = rollout(engine, train_problems, train_prompts, parallel.my_slice(sampler.sample(need * world)),
                                sampling_seeds(cfg, step, drawn + rank * need, need), cfg, temperature)
                 batch = concat(batch, select_groups(more, informative_groups(more["rewards"], G), G))
@@ -444,13 +454,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         if num_seqs == 0:
             print(f"step {step}: no group with a reward spread after {rounds} refill rounds; skipping the update")
             continue
-        # the whole batch's rewards, in single-process order, for the statistics and the log
-        everything = {"problem": parallel.all_gather_list(batch["problem"]),
-                      "rewards": torch.tensor(parallel.all_gather_list(rewards.tolist())),
-                      "components": {k: torch.tensor(parallel.all_gather_list(v.tolist()))
-                                     for k, v in batch["components"].items()},
-                      "lengths": torch.tensor(parallel.all_gather_list([float(len(c.completion_ids)) for c in completions])),
-                      "truncated": torch.tensor(parallel.all_gather_list([float(c.truncated) for c in completions]))}
+        everything = gather_batch(batch)  # all ranks' rewards, for the group statistics and the log
 
         # ---- advantages relative to each prompt's group (A1-A4)
         advantages = group_advantages(rewards, G, scale=cfg.adv_scale, std_floor=cfg.adv_std_floor,
@@ -468,8 +472,8 @@ def main(argv, wrap_engine=lambda engine: engine):
         batches = micro_batches(attention.sum(1).tolist(), cfg.micro_batch_tokens)
         tokens = parallel.all_sum(attention.sum())
         padded = parallel.all_sum(sum(len(mb) * int(attention[mb].sum(1).max()) for mb in batches))  # tokens computed
-        num_tokens = int(parallel.all_sum(mask.sum()))  # L2: the token-mean denominator: the whole batch's response tokens
-        if world > 1:  # FSDP gathers weights in every forward, DDP reduces in backward: all ranks make as many passes
+        num_tokens = int(parallel.all_sum(mask.sum()))  # L2: token-mean over the whole (global) batch's response tokens
+        if world > 1:  # FSDP gathers weights in every forward, DDP reduces in backward: equal pass counts
             (ids, attention, mask, sampler_lp, advantages), batches = parallel.even_micro_batches(
                 (ids, attention, mask, sampler_lp, advantages), batches)
         tensors = (ids, attention, mask, sampler_lp)
@@ -555,7 +559,8 @@ def main(argv, wrap_engine=lambda engine: engine):
             "temperature": temperature, "skipped_updates": skipped, "refill_rounds": rounds,
             **{k: sums[k] / n_tok for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy",
                                             "is_weight_mean", "is_limited_frac") if k in sums},
-            "sampler_logprob_diff_mean": parallel.all_sum(sum(s for s, _ in parity)) / max(num_tokens, 1) if has_parity else None,
+            "sampler_logprob_diff_mean": parallel.all_sum(sum(s for s, _ in parity)) / max(num_tokens, 1)
+            if has_parity else None,
             "sampler_logprob_diff_max": parallel.all_max(max((m for _, m in parity), default=0.0)) if has_parity else None,
             "tokens": int(tokens), "pad_frac": 1 - tokens / padded, "gen_tokens": int(lengths.sum()),
             "mem/peak_gb": peak_memory_gb(),
@@ -573,7 +578,7 @@ def main(argv, wrap_engine=lambda engine: engine):
                 beta = adaptive_kl_beta(beta, sum(kl_history) / len(kl_history), high=cfg.kl_high, low=cfg.kl_low,
                                         up=cfg.kl_up, down=cfg.kl_down)
                 kl_history = []
-        if cfg.sample_every and step % cfg.sample_every == 0 and rank == 0:  # W6: rank 0's first groups; --replay reads them
+        if cfg.sample_every and step % cfg.sample_every == 0 and rank == 0:  # W6: rank 0's groups, for --replay
             with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
                 for r in range(min(cfg.sample_groups * G, len(completions))):
                     c = completions[r]

@@ -20,6 +20,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from config import ConfigError
+
 # True once setup() has joined torchrun's process group. Not dist.is_initialized(): a single-process
 # vLLM engine initialises torch.distributed (world size 1) on its own.
 launched = False
@@ -113,7 +115,7 @@ def wrap(model, mode, dtype, trainable=True):
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # HF names its decoder layer class here
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ValueError(f"FSDP: found no decoder layers ({layer_classes}) in {type(model).__name__}; use --parallel=ddp")
+        raise ConfigError(f"FSDP: no decoder layers ({layer_classes}) found in {type(model).__name__}; use --parallel=ddp")
     for layer in layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
