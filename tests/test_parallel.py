@@ -149,3 +149,13 @@ def test_padding_micro_batches_add_nothing(monkeypatch, tmp_path):
     loss.backward()
     assert loss.item() == 0 and torch.isfinite(lp).all()
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in policy.parameters())
+
+
+def test_a_rank_left_with_no_rows_still_makes_its_passes(monkeypatch):
+    """R7 on several ranks can leave one rank without groups: it runs dummy micro-batches only."""
+    ids, attention, mask, sampler_lp = pad_batch([], pad_id=0)
+    assert ids.shape == (0, 2)
+    monkeypatch.setattr(parallel, "all_max", lambda x: 2)
+    tensors, batches = parallel.even_micro_batches((ids, attention, mask, sampler_lp, torch.zeros(0)), [])
+    assert batches == [[0], [0]] and tensors[0].shape == (1, 2) and tensors[1].tolist() == [[1, 1]]
+    assert tensors[2].sum() == 0 and tensors[4].tolist() == [0.0]
