@@ -11,7 +11,8 @@ loss with the global denominators (response tokens, sequences, all-reduced here)
 average gradients over ranks, so each rank's loss is scaled by the world size: the gradient is
 then exactly the single-process gradient of the whole batch (tests/test_parallel.py checks it).
 
-Without torchrun (no RANK in the environment) every function here is a no-op on one process.
+Without torchrun (no RANK in the environment) nothing here communicates: every function gives
+the one-process answer (world 1, rank 0, sums of one number, the model unwrapped).
 """
 
 import contextlib
@@ -19,6 +20,11 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from config import ConfigError
 
@@ -43,16 +49,29 @@ def setup(device):
 
 
 def world():
+    """Number of ranks (1 without torchrun)."""
     return dist.get_world_size() if launched else 1
 
 
 def rank():
+    """This process's rank (0 without torchrun)."""
     return dist.get_rank() if launched else 0
 
 
 def barrier():
+    """Wait for every rank."""
     if launched:
         dist.barrier()
+
+
+@contextlib.contextmanager
+def rank0_first():
+    """Rank 0 runs the block first (it builds or converts a cached folder); the others run it after."""
+    if rank() > 0:
+        barrier()
+    yield
+    if rank() == 0:
+        barrier()
 
 
 def my_slice(items):
@@ -71,6 +90,7 @@ def all_sum(x):
 
 
 def all_max(x):
+    """Largest value of a number over ranks."""
     if not launched:
         return x
     t = torch.tensor(float(x), dtype=torch.float64)
@@ -79,6 +99,7 @@ def all_max(x):
 
 
 def all_min(x):
+    """Smallest value of a number over ranks."""
     return -all_max(-x)
 
 
@@ -104,12 +125,8 @@ def wrap(model, mode, dtype, trainable=True):
     if mode == "ddp":
         if not trainable:  # a frozen reference: nothing to synchronise, a full copy per rank
             return model
-        from torch.nn.parallel import DistributedDataParallel
-
         device = next(model.parameters()).device
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bfloat16"
           else MixedPrecisionPolicy())  # float32: gather and reduce as stored
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # HF names its decoder layer class here
@@ -130,48 +147,6 @@ def no_grad_sync(train_model, last):
     return train_model.no_sync()
 
 
-def full_state(model, optimizer=None):
-    """(model state, optimizer state), whole and on the CPU of rank 0 (empty elsewhere); called on every rank.
-
-    Parameter names (not ids) key the optimizer state, so a checkpoint from N ranks loads on M.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=options)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
-    return model_state, optim_state
-
-
-def load_optimizer(model, optimizer, state):
-    """Load a full, name-keyed optimizer state (from full_state) into this rank's, sharded as the model is."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
-
-
-def grad_norm_value(norm):
-    """clip_grad_norm_ returns a DTensor under FSDP2 (already the global norm); a plain tensor otherwise."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-@contextlib.contextmanager
-def rank0_first():
-    """Rank 0 runs the block first (it builds or converts a cached folder); the others run it after."""
-    if rank() > 0:
-        barrier()
-    yield
-    if rank() == 0:
-        barrier()
-
-
-def load_model(model, state):
-    """Load a full state dict (from full_state) into a model, sharded or not."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-
 def even_micro_batches(tensors, batches):
     """Give this rank as many micro-batches as the rank with the most, for FSDP and DDP's collectives.
 
@@ -186,3 +161,29 @@ def even_micro_batches(tensors, batches):
     tensors = [torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in tensors]
     tensors[1][row] = 1  # attention
     return tensors, batches + [[row]] * missing
+
+
+def grad_norm_value(norm):
+    """clip_grad_norm_ returns a DTensor under FSDP2 (already the global norm); a plain tensor otherwise."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def full_state(model, optimizer=None):
+    """(model state, optimizer state), whole and on the CPU of rank 0 (empty elsewhere); called on every rank.
+
+    Parameter names (not ids) key the optimizer state, so a checkpoint from N ranks loads on M.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return model_state, optim_state
+
+
+def load_model(model, state):
+    """Load a full state dict (from full_state) into a model, sharded or not."""
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_optimizer(model, optimizer, state):
+    """Load a full, name-keyed optimizer state (from full_state) into this rank's, sharded as the model is."""
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
