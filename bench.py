@@ -3,6 +3,7 @@
     python bench.py                               # the default CPU run, both engines, 3 timed steps each
     python bench.py --config config/tiny.py --steps 10 --engines hf
     python bench.py --memory                      # update peak vs one plain forward+backward, same micro-batch
+    torchrun --nproc_per_node=1 bench.py --update --config config/countdown_3b.py   # the update alone, FSDP2
 
 Phases: each engine runs grpo.py in a subprocess (eval and checkpoints off) for warmup + steps + 1
 steps; the warm-up steps and the last one (which holds the final eval and save) are dropped, and
@@ -129,6 +130,66 @@ def memory(argv):
                       "naive_log_softmax_gb": naive_gb, "ratio": ours_gb / plain_gb}))
 
 
+def update_only(argv, steps, warmup, micro_batches):
+    """Step time and peak memory of the update alone (micro-batched forward+backward, AdamW step) on a
+    random-weight model of the config's shape: no download, no sampler. FSDP2 or DDP under torchrun."""
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import parallel
+    from config import SHAPES, config_from_argv, estimate_memory
+    from grpo import forward_logprobs, optimizer_step
+    from loss import grpo_loss
+
+    cfg = config_from_argv(argv)
+    rank, world, device = parallel.setup("cuda" if torch.cuda.is_available() else "cpu")
+    shape = SHAPES[cfg.model]  # a Llama of the same shape: the same matmuls and memory as Qwen2 (bar biases)
+    torch.manual_seed(0)
+    with torch.device(device):
+        policy = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=4096)).float()
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    train_model = parallel.wrap(policy, cfg.parallel, cfg.dtype)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.adam_betas)
+    L = min(cfg.micro_batch_tokens, cfg.max_prompt_len + cfg.max_completion_len)
+    B = cfg.micro_batch_tokens // L
+    ids = torch.randint(0, shape["vocab_size"], (B, L), device=device)
+    attention, mask = torch.ones_like(ids), torch.ones(B, L - 1, device=device)
+    mask[:, : cfg.max_prompt_len] = 0  # no loss on the prompt
+    num_tokens = int(parallel.all_sum(mask.sum() * micro_batches))
+    times = []
+    for step in range(warmup + steps):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(micro_batches):
+            with parallel.no_grad_sync(train_model, last=i == micro_batches - 1):
+                lp, entropy = forward_logprobs(train_model, ids, attention, cfg, cfg.temperature)
+            loss, _ = grpo_loss(lp, lp.detach(), torch.randn(B, device=device), mask, ref_logprobs=lp.detach() - 0.01,
+                                beta=cfg.beta, num_tokens=num_tokens, num_seqs=B * micro_batches * world)
+            (loss * world).backward()
+        optimizer_step(optimizer, trainable, parallel.all_sum(loss.item()), cfg.grad_clip)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step_s = sorted(times[warmup:])[len(times[warmup:]) // 2]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else float("nan")
+    est = estimate_memory(cfg, shape)
+    result = {"model_shape": cfg.model, "parallel": cfg.parallel if parallel.launched else "none",
+              "world": world, "dtype": cfg.dtype, "micro_batch": [B, L], "micro_batches": micro_batches,
+              "update_step_s": step_s, "tokens_per_s_per_rank": B * L * micro_batches / step_s,
+              "peak_memory_gb": peak, "estimated_gb": est["weights"] + est["optimizer"] + est["grads"]
+              + est["activations"]}
+    if rank == 0:
+        print(f"update of {micro_batches} x ({B} x {L}) tokens on {world} rank(s), {result['parallel']}, {cfg.dtype}: "
+              f"{step_s:.2f} s, {result['tokens_per_s_per_rank']:.0f} tokens/s a rank, peak {peak:.1f} GiB "
+              f"(pre-flight estimate {result['estimated_gb']:.1f} GiB without the reference)")
+        print(json.dumps(result))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="a run file; default: config.py's defaults")
@@ -136,9 +197,14 @@ def main():
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--engines", default="vllm,hf")
     parser.add_argument("--memory", action="store_true", help="measure the update's peak memory instead")
+    parser.add_argument("--update", action="store_true", help="time the update alone on random weights (torchrun)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="with --update: micro-batches per step")
     args, overrides = parser.parse_known_args()
+    config_args = (["--config", args.config] if args.config else []) + overrides
     if args.memory:
-        return memory((["--config", args.config] if args.config else []) + overrides)
+        return memory(config_args)
+    if args.update:
+        return update_only(config_args, args.steps, args.warmup, args.micro_batches)
     results = [summarise(e, run_engine(e, args.config, overrides, args.steps, args.warmup))
                for e in args.engines.split(",")]
     if len(results) == 2:

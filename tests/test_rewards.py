@@ -369,11 +369,12 @@ def test_score_batch():
         score_batch(["x"], [{"task": "poetry"}], [1])
 
 
-def test_scoring_1000_countdown_completions_is_fast():
+def test_scoring_a_1000_completion_batch():
+    """The batch path gives each completion its own score (the speed is bench_rewards.py's to measure)."""
     texts = [A("3*5+7"), A("(3+5)*7"), "<think>hmm</think><answer>abs(3)</answer>", "x" * 2000] * 250
-    start = time.perf_counter()
-    score_batch(texts, [{"task": "countdown", "numbers": N, "target": T}] * 1000, [50] * 1000)
-    assert time.perf_counter() - start < 5.0  # loose bound for a shared machine; bench_rewards.py measures
+    rewards, comps = score_batch(texts, [{"task": "countdown", "numbers": N, "target": T}] * 1000, [50] * 1000)
+    assert comps["correct"].tolist() == [1.0, 0.0, 0.0, 0.0] * 250
+    assert comps["parsed"].tolist() == [1.0, 1.0, 0.0, 0.0] * 250
 
 
 # ---------------------------------------------------------------- replay (W5)
