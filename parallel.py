@@ -135,7 +135,9 @@ def wrap(model, mode, dtype, trainable=True):
         raise ConfigError(f"FSDP: no decoder layers ({layer_classes}) found in {type(model).__name__}; use --parallel=ddp")
     for layer in layers:
         fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    # the root group (embeddings, final norm, head) on the HF model itself: with LoRA, peft's generate
+    # calls the inner HF model directly, past any hooks on the peft wrapper
+    fully_shard(model.get_base_model() if hasattr(model, "get_base_model") else model, mp_policy=mp)
     return model
 
 

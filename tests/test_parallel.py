@@ -86,6 +86,22 @@ def test_two_ranks_match_one_process(runs, mode):
         assert torch.allclose(state["exp_avg"], opt_two["state"][name]["exp_avg"], atol=1e-6)
 
 
+def test_lora_under_fsdp_matches_one_process(tmp_path):
+    """LoRA: the peft wrapper around a sharded model trains, samples (HF generate) and saves its adapter alike."""
+    from safetensors.torch import load_file
+
+    run(tmp_path / "one", 1, "--lora_rank=4", "--max_steps=2")
+    run(tmp_path / "two", 2, "--lora_rank=4", "--max_steps=2")
+    for a, b in zip(read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")):
+        assert a["reward"] == b["reward"]
+        for key in ("loss", "kl", "grad_norm"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
+    one, two = (load_file(tmp_path / d / "ckpt_000002" / "adapter_model.safetensors") for d in ("one", "two"))
+    assert one.keys() == two.keys() and any("lora_B" in k for k in one)
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5
+    assert max(v.abs().max().item() for k, v in two.items() if "lora_B" in k) > 0  # B starts at 0: it trained
+
+
 def test_only_rank_zero_writes(runs):
     out = runs["fsdp"]
     assert sorted(os.listdir(out)) == ["ckpt_000001", "ckpt_000002", "ckpt_000003", "config.json", "metrics.jsonl",
