@@ -133,6 +133,7 @@ class Config:
 
     # ---- several GPUs: torchrun --nproc_per_node=N grpo.py (parallel.py) ----
     parallel: str = "fsdp"  # "fsdp" = FSDP2, weights, grads and AdamW state sharded over ranks | "ddp" = a full copy per rank
+    vllm_tensor_parallel: int = 1  # R1: consecutive ranks that share one vLLM engine (for models too big for one GPU's share); 1 = one engine per rank
 
     # ---- pre-flight (O6) ----
     device_memory_gb: float = 0.0  # O6: GPU memory to plan against; 0 = read it from the device
@@ -309,6 +310,10 @@ def validate(cfg):
             f"{cfg.prompts_per_step} prompts per step (batch_size / group_size) cannot be split over {world} ranks; "
             f"use batch_size={cfg.group_size * world * max(1, cfg.prompts_per_step // world)} or a multiple of it"
         )
+    if cfg.vllm_tensor_parallel < 1 or world % cfg.vllm_tensor_parallel or (cfg.vllm_tensor_parallel > 1 and (
+            "RANK" not in os.environ or cfg.engine == "hf")):
+        raise ConfigError(f"vllm_tensor_parallel={cfg.vllm_tensor_parallel} needs the vLLM engine under torchrun, with a "
+                          f"multiple of it as the number of ranks (now {world}); 1 = one engine per rank")
     if world > 1 and cfg.parallel == "fsdp" and cfg.ref_offload:
         raise ConfigError("ref_offload is for one process; under FSDP the reference is already sharded over ranks")
     if cfg.task not in TASKS and not (cfg.task.endswith(".jsonl") and os.path.isfile(cfg.task)):

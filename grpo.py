@@ -72,6 +72,8 @@ def rollout(engine, problems, prompt_ids, idx, seeds, cfg, temperature):
     groups = engine.generate([prompt_ids[i] for i in idx], cfg.group_size, seeds=seeds, temperature=temperature,
                              top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
                              progress=sys.stdout.isatty())  # a progress bar on a terminal
+    if any(g[0].prompt_ids != prompt_ids[i] for g, i in zip(groups, idx)):  # cheap, and a silent mix-up is costly
+        raise RuntimeError("the engine returned completions for other prompts than it was given")
     completions = [c for g in groups for c in g]  # (N,) = len(idx) * G
     problem_ids = [i for i in idx for _ in range(cfg.group_size)]
     start = time.perf_counter()

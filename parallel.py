@@ -103,13 +103,23 @@ def all_min(x):
     return -all_max(-x)
 
 
-def all_gather_list(items):
-    """Every rank's list concatenated in rank order: with contiguous slices, the single-process order."""
+def all_gather_list(items, group=None):
+    """Every rank's list (of `group`, default all) concatenated in rank order: with contiguous slices,
+    the single-process order."""
     if not launched:
         return list(items)
-    out = [None] * world()
-    dist.all_gather_object(out, list(items))
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, list(items), group=group)
     return [x for part in out for x in part]
+
+
+def consecutive_group(size):
+    """The process group of this rank and its neighbours, `size` consecutive ranks (vLLM's tensor-parallel
+    groups under torchrun are laid out the same way); None for size 1. Called on every rank."""
+    if size == 1:
+        return None
+    group, _ = dist.new_subgroups(group_size=size, backend="gloo")  # gloo: Python objects are gathered over it
+    return group
 
 
 def wrap(model, mode, dtype, trainable=True):

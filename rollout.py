@@ -57,9 +57,12 @@ class VLLMEngine:
             enable_sleep_mode=self.sleep_level > 0,
             enforce_eager=not on_gpu,
             logprobs_mode="processed_logprobs",  # after temperature (R5); the default "raw" would ignore it
-            # under torchrun: one engine per rank, each on its own GPU, joined to torchrun's process group
+            # under torchrun: one engine per rank (or per group of vllm_tensor_parallel consecutive ranks),
+            # joined to torchrun's process group
             distributed_executor_backend="external_launcher" if parallel.launched else None,
+            tensor_parallel_size=cfg.vllm_tensor_parallel,
         )
+        self.group = parallel.consecutive_group(cfg.vllm_tensor_parallel)  # the ranks that share this engine
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype = getattr(torch, cfg.dtype)  # the engine's weights; the trainer keeps fp32 masters
         self.asleep = False
@@ -67,6 +70,12 @@ class VLLMEngine:
     def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, progress=False):
         from vllm import SamplingParams
 
+        mine = slice(0, len(prompts))
+        if self.group is not None:  # tensor parallel: every rank of the group hands the engine the same prompts
+            counts = parallel.all_gather_list([len(prompts)], group=self.group)
+            start = sum(counts[: parallel.rank() % len(counts)])  # groups are consecutive ranks
+            mine = slice(start, start + len(prompts))  # this rank keeps the completions of its own prompts
+            prompts, seeds = (parallel.all_gather_list(x, group=self.group) for x in (prompts, seeds))
         torch.manual_seed(seeds[0])  # the in-process engine samples from torch's global generator
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 logprobs=0 if temperature > 0 else None)
@@ -77,7 +86,7 @@ class VLLMEngine:
                             self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
                             [next(iter(d.values())).logprob for d in c.logprobs] if c.logprobs else [],
                             c.finish_reason == "length")
-                 for c in out.outputs] for out in outputs]
+                 for c in out.outputs] for out in outputs[mine]]
 
     def wake(self, named_tensors):
         """R1 + R2, before generating: wake the weights, push the policy's, then wake the KV cache.

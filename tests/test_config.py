@@ -232,3 +232,15 @@ def test_fsdp_memory_estimate_is_sharded(monkeypatch):
     assert fsdp["activations"] == one["activations"]  # each rank still runs whole micro-batches
     # sharded over 8 ranks, the update that one process cannot fit on a 40 GB card fits
     preflight(load_config(path, ["--device_memory_gb=40"]))
+
+
+def test_vllm_tensor_parallel_needs_torchrun_and_a_multiple_of_ranks(monkeypatch):
+    with pytest.raises(ConfigError, match="vllm_tensor_parallel=2 needs the vLLM engine under torchrun"):
+        load_config(overrides=["--vllm_tensor_parallel=2"])  # one process
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert load_config(overrides=["--vllm_tensor_parallel=2"]).vllm_tensor_parallel == 2
+    with pytest.raises(ConfigError, match=r"multiple of it as the number of ranks \(now 4\)"):
+        load_config(overrides=["--vllm_tensor_parallel=3", "--batch_size=32"])
+    with pytest.raises(ConfigError, match="vllm_tensor_parallel"):
+        load_config(overrides=["--vllm_tensor_parallel=2", "--engine=hf"])

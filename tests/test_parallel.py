@@ -142,6 +142,20 @@ def test_vllm_engine_per_rank_gets_the_sharded_weights(tmp_path):
     assert log[-1]["kl"] > 0
 
 
+@requires_vllm
+def test_vllm_tensor_parallel_engine_shared_by_two_ranks(runs, tmp_path):
+    """vllm_tensor_parallel=2: both ranks drive one engine split over them; each keeps its own prompts' samples
+    (grpo.rollout checks that every completion came back for the prompt it asked for)."""
+    out = tmp_path / "tp"
+    run(out, 2, "--engine=vllm", "--vllm_tensor_parallel=2", "--save_every=0")
+    log = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in log] == [0, 1, 2] and log[-1]["kl"] > 0
+    for m in log:  # the sharded engine holds exactly the trainer's weights after every push
+        assert m["sampler_logprob_diff_max"] < 1e-4, m["sampler_logprob_diff_max"]
+    prompts = [(s["step"], s["problem"]["prompt"]) for s in read_jsonl(out / "samples.jsonl")]
+    assert prompts == [(s["step"], s["problem"]["prompt"]) for s in read_jsonl(runs["single"] / "samples.jsonl")]
+
+
 def test_padding_micro_batches_add_nothing(monkeypatch, tmp_path):
     """A rank with fewer micro-batches gets extra ones whose loss and gradient are exactly 0."""
     from transformers import AutoModelForCausalLM
