@@ -335,11 +335,11 @@ def main(argv, wrap_engine=lambda engine: engine):
         sys.stdout = open(os.devnull, "w")  # one console: rank 0's (errors still reach stderr)
     preflight(cfg)
     engine_name = ("vllm" if vllm_available() else "hf") if cfg.engine == "auto" else cfg.engine
-    with parallel.rank0_first():  # rank 0 builds or converts the model folder and tidies out_dir once
+    with parallel.local_rank0_first():  # one rank per machine builds or converts the model folder, tidies out_dir
         os.makedirs(cfg.out_dir, exist_ok=True)
         path = model_path(cfg)
         for partial in glob.glob(os.path.join(cfg.out_dir, ".tmp_ckpt_*")):  # a save that was killed midway
-            shutil.rmtree(partial)
+            shutil.rmtree(partial, ignore_errors=True)  # (out_dir may be shared by several machines)
     check_model_source(path)
     resume_from = None
     if cfg.init_from:

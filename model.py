@@ -5,6 +5,7 @@ learning rate of 1e-6 is not rounded away as it would be in bf16 weights.
 """
 
 import os
+import shutil
 
 import torch
 
@@ -45,8 +46,18 @@ def build_tiny(folder, seed=0, tie=True):
     tmp = f"{folder}.tmp{os.getpid()}"  # written whole, then renamed: a killed build leaves no half model
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, folder)
+    publish(tmp, folder)
     return folder
+
+
+def publish(tmp, folder):
+    """Rename a finished folder into place; if another process (a rank on another machine) got there first, keep its."""
+    try:
+        os.replace(tmp, folder)
+    except OSError:
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise
+        shutil.rmtree(tmp)
 
 
 def convert_smollm2(folder):
@@ -75,7 +86,7 @@ def convert_smollm2(folder):
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.makedirs(os.path.dirname(folder), exist_ok=True)
-    os.replace(tmp, folder)
+    publish(tmp, folder)
     return folder
 
 

@@ -65,12 +65,14 @@ def barrier():
 
 
 @contextlib.contextmanager
-def rank0_first():
-    """Rank 0 runs the block first (it builds or converts a cached folder); the others run it after."""
-    if rank() > 0:
+def local_rank0_first():
+    """The first rank of each machine runs the block first (it builds or converts a cached folder, on that
+    machine's disk); the other ranks run it after, and find the folder there."""
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if not first:
         barrier()
     yield
-    if rank() == 0:
+    if first:
         barrier()
 
 

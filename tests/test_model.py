@@ -80,3 +80,21 @@ def test_missing_or_broken_model_folders_fail_clearly(tmp_path):
     with pytest.raises(ConfigError, match="has no config.json"):
         check_model_source(str(tmp_path / "empty"))
     check_model_source("Qwen/Qwen2.5-3B-Instruct")  # a hub name is left to the loader
+
+
+def test_publish_keeps_the_folder_another_process_wrote_first(tmp_path):
+    """Several machines (local rank 0 each) may build the same cached folder on a shared disk at once."""
+    from model import publish
+
+    first, second, folder = tmp_path / "a.tmp1", tmp_path / "a.tmp2", tmp_path / "a"
+    for tmp, text in ((first, "first"), (second, "second")):
+        tmp.mkdir()
+        (tmp / "config.json").write_text(text)
+    publish(first, folder)
+    publish(second, folder)  # too late: the first one stays, the second's temp folder goes
+    assert (folder / "config.json").read_text() == "first" and not first.exists() and not second.exists()
+    (tmp_path / "b.tmp").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "junk").write_text("x")  # not a model folder: that is an error, not a race
+    with pytest.raises(OSError):
+        publish(tmp_path / "b.tmp", tmp_path / "b")
