@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Config:
     """Every setting. The defaults are `python grpo.py`: SmolLM2-135M-Instruct learning 2-digit addition
-    on a CPU in about half an hour; a run file in config/ sets only what differs."""
+    on a CPU in about 20 minutes; a run file in config/ sets only what differs."""
 
     # ---- run ----
     model: str = "smollm2-135m"  # HF hub name or folder; "smollm2-135m" = SmolLM2-135M-Instruct from PyPI; "tiny" = tests

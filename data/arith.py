@@ -8,9 +8,11 @@ from fractions import Fraction
 
 from data.split import draw_distinct
 
+# No concrete number in the example: a small model copies it as its answer (with \boxed{42} here,
+# SmolLM2-135M's base accuracy was 0.05 instead of 0.47; README, the default run).
 PROMPT = (
     "{question} Think step by step inside <think> </think> tags, then give the final answer as "
-    "\\boxed{{...}} inside <answer> </answer> tags, for example <think> ... </think><answer>\\boxed{{42}}</answer>."
+    "\\boxed{{...}} inside <answer> </answer> tags, for example <think> ... </think><answer>\\boxed{{...}}</answer>."
 )
 
 
