@@ -168,6 +168,7 @@ def update_only(argv, steps, warmup, micro_batches):
         for i in range(micro_batches):
             with parallel.no_grad_sync(train_model, last=i == micro_batches - 1):
                 lp, entropy = forward_logprobs(train_model, ids, attention, cfg, cfg.temperature)
+            # random advantages, and a reference 0.01 nats off so the KL term computes something
             loss, _ = grpo_loss(lp, lp.detach(), torch.randn(B, device=device), mask, ref_logprobs=lp.detach() - 0.01,
                                 beta=cfg.beta, num_tokens=num_tokens, num_seqs=B * micro_batches * world)
             (loss * world).backward()
@@ -175,7 +176,7 @@ def update_only(argv, steps, warmup, micro_batches):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    step_s = sorted(times[warmup:])[len(times[warmup:]) // 2]
+    step_s = statistics.median(times[warmup:])
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else float("nan")
     est = estimate_memory(cfg, shape)
     result = {"model_shape": cfg.model, "parallel": cfg.parallel if parallel.launched else "none",

@@ -310,10 +310,11 @@ def validate(cfg):
             f"{cfg.prompts_per_step} prompts per step (batch_size / group_size) cannot be split over {world} ranks; "
             f"use batch_size={cfg.group_size * world * max(1, cfg.prompts_per_step // world)} or a multiple of it"
         )
-    if cfg.vllm_tensor_parallel < 1 or world % cfg.vllm_tensor_parallel or (cfg.vllm_tensor_parallel > 1 and (
-            "RANK" not in os.environ or cfg.engine == "hf")):
-        raise ConfigError(f"vllm_tensor_parallel={cfg.vllm_tensor_parallel} needs the vLLM engine under torchrun, with a "
-                          f"multiple of it as the number of ranks (now {world}); 1 = one engine per rank")
+    tp = cfg.vllm_tensor_parallel  # ranks sharing one vLLM engine
+    if tp > 1 and ("RANK" not in os.environ or cfg.engine == "hf"):  # RANK: set by torchrun
+        raise ConfigError(f"vllm_tensor_parallel={tp} needs the vLLM engine under torchrun; 1 = one engine per rank")
+    if tp < 1 or world % tp:
+        raise ConfigError(f"vllm_tensor_parallel={tp}: use a multiple of it as the number of ranks (now {world})")
     if world > 1 and cfg.parallel == "fsdp" and cfg.ref_offload:
         raise ConfigError("ref_offload is for one process; under FSDP the reference is already sharded over ranks")
     if cfg.task not in TASKS and not (cfg.task.endswith(".jsonl") and os.path.isfile(cfg.task)):

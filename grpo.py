@@ -59,12 +59,17 @@ def tokenize_prompts(tokenizer, problems, max_prompt_len):
     return out
 
 
-def sampling_seeds(cfg, step, first, count):
-    """One seed per prompt from (seed, step, the prompt's place in the step's global batch) only.
+def prompt_seeds(base, first, count):
+    """One seed per prompt from a base seed and the prompt's place in the (global) batch only.
 
     Not from the rank or the run's history: a resumed run, or N ranks, sample what one straight run does.
     """
-    return [cfg.seed * 1_000_003 + step + (first + i) * 1_000_000_007 for i in range(count)]
+    return [base + (first + i) * 1_000_000_007 for i in range(count)]
+
+
+def sampling_seeds(cfg, step, first, count):
+    """prompt_seeds for a training step: the base is (seed, step), so every step samples afresh."""
+    return prompt_seeds(cfg.seed * 1_000_003 + step, first, count)
 
 
 def rollout(engine, problems, prompt_ids, idx, seeds, cfg, temperature):
@@ -123,6 +128,7 @@ def pad_batch(completions, pad_id):
     Returns input_ids (N, L), attention (N, L), mask (N, L-1), sampler_logprobs (N, L-1), where
     position t of mask/logprobs refers to the token input_ids[:, t + 1] (L3: prompt and padding are 0).
     """
+    # default=2: a rank left with no rows (R7 under torchrun) still gets (0, 2) tensors to pad (parallel.py)
     L = max((len(c.prompt_ids) + len(c.completion_ids) for c in completions), default=2)
     N = len(completions)
     input_ids = torch.full((N, L), pad_id, dtype=torch.long)
@@ -220,7 +226,7 @@ def evaluate(engine, problems, prompt_ids, cfg, seed):
     the same way (FSDP needs the ranks in step; test sets are small); rank 0 logs it.
     """
     idx = list(range(len(problems)))
-    seeds = [seed + i * 1_000_000_007 for i in idx]
+    seeds = prompt_seeds(seed, 0, len(idx))
     greedy = engine.generate([prompt_ids[i] for i in idx], 1, seeds=seeds, temperature=0.0, top_p=1.0, top_k=-1,
                              max_tokens=cfg.max_completion_len)
     texts = [g[0].text for g in greedy]
@@ -595,7 +601,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         if last:
             t0 = time.perf_counter()
             engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
-            metrics.update(evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed)[0], **{"eval/updates": step + 1})
+            metrics.update({**evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed)[0], "eval/updates": step + 1})
             metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
         metrics["time/step"] = time.perf_counter() - t_step
         if rank == 0:

@@ -12,6 +12,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no screen needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench import PHASES  # noqa: E402  (the phases every step times: one list for the bench and the plot)
+
 PANELS = [  # (title, [(metric, label)])
     ("reward (train batch)", [("reward", "reward")]),
     ("accuracy", [("acc", "train batch"), ("eval/pass@1_greedy", "test pass@1 (greedy)"),
@@ -21,15 +23,14 @@ PANELS = [  # (title, [(metric, label)])
     ("response length (tokens)", [("response_length", "train batch")]),
     ("seconds per step (stacked)", "stack"),
 ]
-TIME_PHASES = ["generate", "score", "push", "sleep", "ref", "old", "update", "eval", "checkpoint"]
 
 
 def stacked_times(ax, rows):
     """Where each step's seconds went, phase on phase (from the time/* metrics of one run)."""
-    steps = [r["step"] for r in rows if "time/step" in r]
-    layers = [[r.get(f"time/{p}", 0.0) for r in rows if "time/step" in r] for p in TIME_PHASES]
-    other = [r["time/step"] - sum(layer[i] for layer in layers) for i, r in enumerate(r for r in rows if "time/step" in r)]
-    ax.stackplot(steps, *layers, [max(o, 0.0) for o in other], labels=TIME_PHASES + ["other (logging, overhead)"])
+    timed = [r for r in rows if "time/step" in r]
+    layers = [[r.get(f"time/{p}", 0.0) for r in timed] for p in PHASES]
+    other = [max(r["time/step"] - sum(r.get(f"time/{p}", 0.0) for p in PHASES), 0.0) for r in timed]
+    ax.stackplot([r["step"] for r in timed], *layers, other, labels=PHASES + ["other (logging, overhead)"])
 
 
 def read(run):
