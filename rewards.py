@@ -24,6 +24,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import traceback
 from fractions import Fraction
 
 import torch
@@ -163,6 +164,24 @@ def as_fraction(s):
     return (-1 if m.group(1) else 1) * num / den if den else None
 
 
+def in_lowest_terms(s):
+    """False for a normalised fraction of whole numbers that can be reduced ('(4)/(6)', '8/4', '3/1'); else True."""
+    m = re.fullmatch(r"-?\(?(-?\d+)\)?/\(?(-?\d+)\)?", s)
+    if not m:
+        return True  # a whole number or a decimal
+    num, den = int(m.group(1)), int(m.group(2))
+    return math.gcd(num, den) == 1 and abs(den) != 1
+
+
+def before_unclosed_think(text):
+    """The text before a <think> that is never closed: what follows it is thinking, not answering (W4)."""
+    start = text.rfind("<think>")
+    return text[:start] if start >= 0 and text.find("</think>", start) < 0 else text
+
+
+# a number, with thousands separators read whole ("1,234" is 1234, not 234)
+LAST_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
+
 SYMPY_NAMES = {"sqrt", "pi", "x", "y", "z", "n", "a", "b", "c", "k"}
 
 
@@ -207,13 +226,13 @@ def math_reward(text, answer, last_number=False):
     """
     out = {"format": float(has_format(text)), "parsed": 0.0, "correct": 0.0}
     tagged = extract_answer(text)
-    given = last_boxed(tagged if tagged is not None else text)
+    given = last_boxed(tagged if tagged is not None else before_unclosed_think(text))
     if given is None:
         given = tagged
     if given is None and last_number:
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", text[-2000:])
-        fa, fb = (as_fraction(numbers[-1]) if numbers else None), as_fraction(normalize_math(str(answer)))
-        return {**out, "correct": float(fa is not None and fa == fb)}
+        numbers = LAST_NUMBER.findall(before_unclosed_think(text)[-2000:])
+        fa = as_fraction(numbers[-1].replace(",", "")) if numbers else None
+        return {**out, "correct": float(fa is not None and fa == as_fraction(normalize_math(str(answer))))}
     if not given or len(given) > MAX_ANSWER_CHARS:
         return {**out, "format": 0.0}  # W4: an empty \boxed{} or <answer> scores nothing, not even format
     got, want = normalize_math(given), normalize_math(str(answer))
@@ -222,7 +241,9 @@ def math_reward(text, answer, last_number=False):
         # and a copied "\boxed{...}" from the prompt is no answer: neither earns parsed or format credit.
         if as_fraction(got) is None:
             return {**out, "format": 0.0}
-        out["parsed"], out["correct"] = 1.0, float(as_fraction(got) == as_fraction(want))
+        # a fraction counts only in lowest terms, the form the prompt asks for: 4/6 is not 2/3's answer
+        exact = as_fraction(got) == as_fraction(want) and in_lowest_terms(got)
+        out["parsed"], out["correct"] = 1.0, float(exact)
     else:
         out["parsed"], out["correct"] = 1.0, float(got == want or symbolic_equal(got, want))
     return out
@@ -357,18 +378,38 @@ def digits_reward(text):
 # ---------------------------------------------------------------- the batch scorer (W2, W3)
 
 
+def verifier(problem, last_number=False):
+    """The verifier of problem["task"], as a function of the completion text; an unknown task is an error."""
+    task = problem.get("task")
+    if task == "countdown":
+        return lambda text: countdown_reward(text, problem["numbers"], problem["target"])
+    if task == "math":
+        return lambda text: math_reward(text, problem["answer"], last_number)
+    if task == "code":
+        return lambda text: code_reward(text, problem["tests"])
+    if task == "digits":
+        return digits_reward
+    raise ValueError(f"unknown task {task!r}; expected countdown, math, code or digits")
+
+
 def score_one(text, problem, last_number=False):
     """Dispatch on problem["task"] to the verifier; returns its components."""
-    task = problem["task"]
-    if task == "countdown":
-        return countdown_reward(text, problem["numbers"], problem["target"])
-    if task == "math":
-        return math_reward(text, problem["answer"], last_number)
-    if task == "code":
-        return code_reward(text, problem["tests"])
-    if task == "digits":
-        return digits_reward(text)
-    raise ValueError(f"unknown task {task!r}; expected countdown, math, code or digits")
+    return verifier(problem, last_number)(text)
+
+
+_REPORTED = []  # the first verifier traceback is printed once per process, then only counted
+
+
+def guarded(score, text):
+    """score(text), or None if the verifier raised: a bug in one verifier must not stop the run."""
+    try:
+        return score(text)
+    except Exception:
+        if not _REPORTED:
+            _REPORTED.append(True)
+            print("warning: a verifier raised; the completion scores 0 and is counted in reward/errors "
+                  "(this traceback is printed once):\n" + traceback.format_exc(), file=sys.stderr)
+        return None
 
 
 def shape_reward(c, length, *, format_weight=0.1, correct_weight=1.0, wrong_penalty=0.0, unparsed_penalty=0.0,
@@ -397,21 +438,27 @@ def shape_reward(c, length, *, format_weight=0.1, correct_weight=1.0, wrong_pena
 def score_batch(texts, problems, lengths, last_number=False, workers=0, **weights):
     """Score N completions. Returns (rewards (N,) float32, {component: (N,) float32}).
 
+    A verifier that raises on a completion gives it reward 0 and errors = 1 (components["errors"]);
+    the first traceback is printed once. An unknown task raises ValueError before anything is scored.
+
     texts: N completion strings; problems: N problem dicts (the problem of each completion);
     lengths: N completion lengths in tokens; last_number: see math_reward; weights: shape_reward's kwargs.
     workers: score in this many threads; worth it when a verifier waits on child processes (code,
     sympy), not for Countdown (microseconds, and the GIL serialises pure Python anyway). 0 = serial.
     """
+    jobs = [(verifier(p, last_number), t) for t, p in zip(texts, problems)]  # an unknown task fails here, whole
     if workers > 1:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(workers) as pool:
-            components = list(pool.map(lambda tp: score_one(*tp, last_number), zip(texts, problems)))
+            components = list(pool.map(lambda job: guarded(*job), jobs))
     else:
-        components = [score_one(t, p, last_number) for t, p in zip(texts, problems)]
-    rewards = [shape_reward(c, n, **weights) for c, n in zip(components, lengths)]
-    names = sorted({k for c in components for k in c})
-    per_component = {k: torch.tensor([c.get(k, 0.0) for c in components]) for k in names}
+        components = [guarded(*job) for job in jobs]
+    # a verifier that raised scores exactly 0 (no shaping, no penalty) and is counted in "errors"
+    rewards = [shape_reward(c, n, **weights) if c is not None else 0.0 for c, n in zip(components, lengths)]
+    names = sorted({k for c in components if c is not None for k in c} | {"correct", "format", "parsed"})
+    per_component = {k: torch.tensor([c.get(k, 0.0) if c is not None else 0.0 for c in components]) for k in names}
+    per_component["errors"] = torch.tensor([float(c is None) for c in components])
     return torch.tensor(rewards, dtype=torch.float32), per_component
 
 
@@ -433,7 +480,8 @@ def replay(path):
             rec = json.loads(line)
             rows += 1
             fresh = score_one(rec["completion"], rec["problem"], rec.get("last_number", False))
-            checks = {k: (v, fresh.get(k)) for k, v in rec.get("components", {}).items()}
+            # "errors" counts verifiers that raised at training time; the reward check below catches those
+            checks = {k: (v, fresh.get(k)) for k, v in rec.get("components", {}).items() if k != "errors"}
             if "reward" in rec:
                 again = shape_reward(fresh, rec.get("length", 0), **rec.get("weights", {}))
                 checks["reward"] = (rec["reward"], again)

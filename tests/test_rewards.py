@@ -422,3 +422,56 @@ def test_threaded_scoring_gives_the_serial_result():
     threaded = score_batch(texts, problems, [10] * 9, workers=4)
     assert torch.equal(serial[0], threaded[0]) and serial[0].tolist() == pytest.approx([1.1, 1.1, 1.1] * 3)
     assert all(torch.equal(serial[1][k], threaded[1][k]) for k in serial[1])
+
+
+# ---------------------------------------------------------------- review fixes: holes and a raising verifier
+
+
+def test_fractions_count_only_in_lowest_terms():
+    # the prompt asks for lowest terms, and the answer key is in them: 4/6 is not an answer to 1/3 + 1/3
+    assert math_reward(M("4/6"), "2/3")["correct"] == 0.0
+    assert math_reward(M(r"\frac{4}{6}"), "2/3")["correct"] == 0.0
+    assert math_reward(M("8/4"), "2")["correct"] == 0.0 and math_reward(M("3/1"), "3")["correct"] == 0.0
+    assert math_reward(M("2/3"), "2/3")["correct"] == 1.0 and math_reward(M(r"-\frac{9}{4}"), "-9/4")["correct"] == 1.0
+    assert math_reward(M("0.5"), "1/2")["correct"] == 1.0  # an exact decimal is still the number
+    assert math_reward(M("4/6"), "2/3")["parsed"] == 1.0  # parsed, so wrong_penalty (not unparsed) applies
+
+
+def test_a_box_inside_an_unclosed_think_does_not_score():
+    assert math_reward(r"<think>maybe \boxed{5}", "5") == {"format": 0.0, "parsed": 0.0, "correct": 0.0}
+    assert math_reward("<think>maybe 5", "5", last_number=True)["correct"] == 0.0
+    # closed thinking, then the answer outside it: scores
+    assert math_reward(r"<think>hmm</think> \boxed{5}", "5")["correct"] == 1.0
+    assert math_reward("<think>hmm</think> it is 5", "5", last_number=True)["correct"] == 1.0
+    assert math_reward(r"\boxed{5} <think>on second thought", "5")["correct"] == 1.0  # answered before thinking
+
+
+def test_last_number_reads_thousands_separators_whole():
+    assert math_reward("The total is 1,234", "1234", last_number=True)["correct"] == 1.0
+    assert math_reward("The total is 1,234", "234", last_number=True)["correct"] == 0.0
+    assert math_reward("so 12,345,678.5 in all", "12345678.5", last_number=True)["correct"] == 1.0
+    assert math_reward("pick 3, 4", "4", last_number=True)["correct"] == 1.0  # a list is not a separator
+
+
+def test_a_raising_verifier_scores_zero_and_is_counted(monkeypatch, capsys):
+    import rewards
+
+    real = rewards.digits_reward
+
+    def buggy(text):
+        if "boom" in text:
+            raise KeyError("a bug in a user's verifier")
+        return real(text)
+
+    monkeypatch.setattr(rewards, "digits_reward", buggy)
+    monkeypatch.setattr(rewards, "_REPORTED", [])
+    texts = ["123", "boom", "45 boom", "abc"]
+    got, comps = score_batch(texts, [{"task": "digits"}] * 4, [3] * 4, unparsed_penalty=-0.5, format_weight=0.1)
+    assert got.tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])  # exactly 0 for a raise: no penalty, no shaping
+    assert comps["errors"].tolist() == [0.0, 1.0, 1.0, 0.0] and comps["correct"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    err = capsys.readouterr().err
+    assert err.count("Traceback") == 1 and "a bug in a user's verifier" in err  # printed once, then counted
+    score_batch(["boom"], [{"task": "digits"}], [1])
+    assert "Traceback" not in capsys.readouterr().err
+    threaded = score_batch(texts, [{"task": "digits"}] * 4, [3] * 4, workers=2, unparsed_penalty=-0.5)
+    assert threaded[1]["errors"].tolist() == [0.0, 1.0, 1.0, 0.0]
