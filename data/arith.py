@@ -21,42 +21,46 @@ def _fmt(x):
     return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
 
 
-# Each kind: (rng, max_number) -> (question, exact answer).
+# Each kind: (rng, max_number) -> (question, exact answer, split key). The split key is the question, except
+# where the operands commute: there it holds them sorted, so "What is 3 + 5?" and "What is 5 + 3?" land in
+# the same split (keyed by the text, most test sums had their commuted twin in train).
 
 
 def _add(r, m):
     a, b = r.randint(1, m), r.randint(1, m)
-    return f"What is {a} + {b}?", a + b
+    return f"What is {a} + {b}?", a + b, ("add", *sorted((a, b)))
 
 
 def _sub(r, m):
     a, b = sorted((r.randint(1, m), r.randint(1, m)))
-    return f"What is {b} - {a}?", b - a
+    return f"What is {b} - {a}?", b - a, None
 
 
 def _order_of_ops(r, m):
     a, b, c = r.randint(2, m), r.randint(2, 12), r.randint(2, 12)
-    return f"What is {a} + {b} * {c}?", a + b * c
+    return f"What is {a} + {b} * {c}?", a + b * c, ("order_of_ops", a, *sorted((b, c)))
 
 
 def _linear(r, m):
     a, b, c = r.randint(2, 12), r.randint(1, m), r.randint(1, m)
-    return f"Solve for x: {a}x + {b} = {c}.", Fraction(c - b, a)
+    return f"Solve for x: {a}x + {b} = {c}.", Fraction(c - b, a), None
 
 
 def _fractions(r, m):
     a, b, c, d = r.randint(1, 9), r.randint(2, 9), r.randint(1, 9), r.randint(2, 9)
-    return f"What is {a}/{b} + {c}/{d}? Give the answer as a fraction in lowest terms.", Fraction(a, b) + Fraction(c, d)
+    question = f"What is {a}/{b} + {c}/{d}? Give the answer as a fraction in lowest terms."
+    return question, Fraction(a, b) + Fraction(c, d), ("fractions", *sorted(((a, b), (c, d))))
 
 
 def _cookies(r, m):
     a, b, c = r.randint(2, 9), r.randint(6, 24), r.randint(1, 12)
-    return f"A baker makes {a} trays of {b} cookies each and sells {c} cookies. How many cookies are left?", a * b - c
+    return f"A baker makes {a} trays of {b} cookies each and sells {c} cookies. How many cookies are left?", a * b - c, None
 
 
 def _area(r, m):
     a, b = r.randint(2, m), r.randint(2, m)
-    return f"A rectangle is {a} cm long and {b} cm wide. What is its area in square centimetres?", a * b
+    return f"A rectangle is {a} cm long and {b} cm wide. What is its area in square centimetres?", a * b, \
+        ("area", *sorted((a, b)))
 
 
 KINDS = {"add": _add, "sub": _sub, "order_of_ops": _order_of_ops, "linear": _linear, "fractions": _fractions,
@@ -70,7 +74,9 @@ def math_problems(split, n, seed=0, kinds=tuple(KINDS), max_number=99):
         raise ValueError(f"unknown math kinds {sorted(unknown)}; choose from {sorted(KINDS)}")
 
     def make(rng):
-        question, answer = KINDS[rng.choice(kinds)](rng, max_number)
-        return f"math:{question}", {"task": "math", "prompt": PROMPT.format(question=question), "answer": _fmt(answer)}
+        question, answer, operands = KINDS[rng.choice(kinds)](rng, max_number)
+        split_key = f"math:{operands}" if operands else f"math:{question}"  # None: the question itself
+        return f"math:{question}", split_key, {"task": "math", "prompt": PROMPT.format(question=question),
+                                               "answer": _fmt(answer)}
 
     return draw_distinct(split, n, seed, make)

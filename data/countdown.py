@@ -45,7 +45,8 @@ def countdown_problems(split, n, seed=0, num_counts=(3, 4), max_number=99, max_t
         if made is None or made[0].denominator != 1 or not 1 <= made[0] <= max_target:
             return None
         target = int(made[0])
-        return f"countdown:{sorted(numbers)}:{target}", {
+        key = f"countdown:{sorted(numbers)}:{target}"  # the order of the numbers does not make a new problem
+        return key, key, {
             "task": "countdown", "prompt": PROMPT.format(numbers=numbers, target=target), "numbers": numbers,
             "target": target, "solution": made[1]}
 

@@ -15,10 +15,12 @@ def in_split(key, split):
 
 
 def draw_distinct(split, n, seed, make):
-    """The first n distinct problems of `split`, drawn by make(rng) -> (key, problem dict) or None.
+    """The first n distinct problems of `split`, drawn by make(rng) -> (key, split_key, problem dict) or None.
 
-    The key is the problem's content (it decides the split and the duplicates). Fails clearly when
-    100k draws in a row bring nothing new, i.e. the settings allow fewer than n problems.
+    key is the problem's content (it decides the duplicates and becomes the id); split_key decides the
+    split, so problems that are one problem in other words (a + b and b + a) share it and can never
+    fall on both sides. Fails clearly when 100k draws in a row bring nothing new, i.e. the settings
+    allow fewer than n problems.
     """
     rng, seen, out, misses = random.Random(seed), set(), [], 0
     while len(out) < n:
@@ -27,9 +29,9 @@ def draw_distinct(split, n, seed, make):
             raise ValueError(f"only {len(out)} distinct {split} problems exist for these settings, {n} asked for; "
                              f"lower train_size/test_size or widen the ranges")
         made = make(rng)
-        if made is None or made[0] in seen or not in_split(made[0], split):
+        if made is None or made[0] in seen or not in_split(made[1], split):
             continue
         seen.add(made[0])
         misses = 0
-        out.append({"id": made[0], **made[1]})
+        out.append({"id": made[0], **made[2]})
     return out

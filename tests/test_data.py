@@ -84,6 +84,28 @@ def test_math_problems_have_exact_answers_that_verify():
     assert set(KINDS) >= {"add", "linear", "fractions"}
 
 
+def test_a_commuted_twin_never_crosses_the_split():
+    """a + b and b + a are one problem: keyed by the question text, 44 of the default run's 60 test sums had
+    their twin in train. Keyed by the sorted operands, none does (a test pair may appear in both orders)."""
+    import re
+
+    def pair(p):
+        return tuple(sorted(int(x) for x in re.findall(r"\d+", p["id"])))
+
+    train = math_problems("train", 500, seed=0, kinds=("add",), max_number=25)
+    test = math_problems("test", 60, seed=0, kinds=("add",), max_number=25)  # the default run's splits
+    train_pairs = {pair(p) for p in train}
+    assert not [p["id"] for p in test if pair(p) in train_pairs]
+    assert len({p["id"] for p in test}) == 60  # enough distinct test questions remain
+    # the split key: both orders of a commuting kind give one key; other kinds keep the question (None)
+    assert KINDS["add"](Draws(3, 5), 99)[2] == KINDS["add"](Draws(5, 3), 99)[2]
+    assert KINDS["area"](Draws(3, 7), 99)[2] == KINDS["area"](Draws(7, 3), 99)[2]
+    assert KINDS["order_of_ops"](Draws(5, 3, 7), 99)[2] == KINDS["order_of_ops"](Draws(5, 7, 3), 99)[2]
+    assert KINDS["order_of_ops"](Draws(3, 5, 7), 99)[2] != KINDS["order_of_ops"](Draws(5, 3, 7), 99)[2]
+    assert KINDS["fractions"](Draws(1, 2, 1, 3), 99)[2] == KINDS["fractions"](Draws(1, 3, 1, 2), 99)[2]
+    assert KINDS["sub"](Draws(10, 25), 99)[2] is None
+
+
 class Draws:
     """A stand-in rng whose randint returns fixed values, to hand-check a kind."""
 
@@ -97,10 +119,10 @@ class Draws:
 def test_hand_checked_math_answers():
     from fractions import Fraction
 
-    assert KINDS["linear"](Draws(4, 3, 6), 99) == ("Solve for x: 4x + 3 = 6.", Fraction(3, 4))
+    assert KINDS["linear"](Draws(4, 3, 6), 99)[:2] == ("Solve for x: 4x + 3 = 6.", Fraction(3, 4))
     assert KINDS["fractions"](Draws(1, 2, 1, 3), 99)[1] == Fraction(5, 6)
-    assert KINDS["order_of_ops"](Draws(2, 3, 4), 99) == ("What is 2 + 3 * 4?", 14)
-    assert KINDS["sub"](Draws(10, 25), 99) == ("What is 25 - 10?", 15)
+    assert KINDS["order_of_ops"](Draws(2, 3, 4), 99)[:2] == ("What is 2 + 3 * 4?", 14)
+    assert KINDS["sub"](Draws(10, 25), 99)[:2] == ("What is 25 - 10?", 15)
     assert KINDS["cookies"](Draws(3, 12, 5), 99)[1] == 31
 
 
