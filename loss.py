@@ -148,10 +148,7 @@ def grpo_loss(
 
     kl = None
     if ref_logprobs is not None:
-        # k3 estimator of KL(pi_new || pi_ref) = E[exp(d) - d - 1], d = log pi_ref - log pi_new >= 0.
-        # (002 flips the sign of d; with the flipped sign the penalty pushes away from the reference.)
-        d = torch.where(mask, ref_logprobs.detach() - logprobs, 0.0)
-        kl = torch.exp(d) - d - 1  # (B, T)
+        kl = k3_kl(logprobs, ref_logprobs, mask)  # (B, T)
         per_token = per_token + beta * kl
     if entropy_coef > 0:
         if entropy is None:
@@ -169,6 +166,24 @@ def grpo_loss(
     else:
         raise ValueError(f"agg must be 'token-mean', 'seq-mean' or 'dr-grpo', got {agg!r}")
     return loss, _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy)
+
+
+def k3_kl(logprobs, ref_logprobs, mask):
+    """Per-token k3 estimate of KL(pi_new || pi_ref) = E[exp(d) - d - 1], d = log pi_ref - log pi_new (L4).
+
+    d has either sign; k3 is >= 0 for every d. (A common blog version flips the sign of d; with the
+    flipped sign the penalty pushes away from the reference.) Clamped as verl's `low_var_kl` does:
+    d to [-20, 20] and k3 to at most 10, so one token the policy has moved far from the reference
+    (d = 20 gives exp(20) ~ 5e8, finite, so the non-finite guard would pass it) cannot dominate the
+    batch; a clamped token gets no KL gradient. (B, T) in, (B, T) out, 0 where mask is 0.
+
+    Example: d = 0 -> 0; d = ln 2 -> 2 - ln 2 - 1 = 0.307; d = 50 -> 10 (clamped).
+    """
+    d = torch.where(mask, ref_logprobs.detach() - logprobs, 0.0).clamp(-K3_LOG_CLAMP, K3_LOG_CLAMP)
+    return (torch.exp(d) - d - 1).clamp(max=K3_MAX)
+
+
+K3_LOG_CLAMP, K3_MAX = 20.0, 10.0  # verl's low_var_kl bounds
 
 
 @torch.no_grad()
@@ -196,34 +211,42 @@ def _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy):
 # ---------------------------------------------------------------- sampler/trainer mismatch (R2)
 
 
-def sampler_is_weights(old_logprobs, sampler_logprobs, mask, *, mode="token", cap=2.0):
-    """Importance weights for sampling from the engine's q instead of the trainer's pi_old.
+def sampler_is_weights(old_logprobs, sampler_logprobs, mask, *, level="token", action="truncate", cap=2.0):
+    """Importance weights for sampling from the engine's q instead of the trainer's pi_old (R2).
 
     vLLM and the trainer compute slightly different probabilities for the same weights (kernels,
-    dtypes), so the tokens are samples of q, not of pi_old. With rho = pi_old / q per token:
-      "token":    w_t = min(rho_t, cap), truncated IS (TRL's vllm_importance_sampling_correction)
-      "sequence": w = 1 if the sequence's geometric-mean rho lies in [1/cap, cap], else 0: a
-                  completion the trainer would hardly have sampled is masked out of the loss
-    old_logprobs, sampler_logprobs, mask: (B, T). Returns (weights (B, T), metrics).
+    dtypes), so the tokens are samples of q, not of pi_old. With rho_t = pi_old(t) / q(t):
+      level "token":    one weight per token, rho_t
+      level "sequence": one weight per completion, the product prod_t rho_t (the true sequence
+                        ratio: no geometric mean, so `cap` is a bound on the product itself)
+      action "truncate": w = min(rho, cap)   (truncated IS, TIS)
+      action "mask":     w = 1[rho <= cap]    (the token or completion leaves the loss)
+    As TRL's vllm_importance_sampling_mode (token/sequence x truncate/mask) and verl's rollout
+    correction. Only large rho is limited, as in TRL: rho < 1 already weighs a token down.
+    old_logprobs, sampler_logprobs, mask: (B, T). Returns (weights (B, T), metrics), weights
+    detached and 0 off the mask; is_limited_frac is the share of tokens (or of completions) limited.
 
-    Example: pi_old = 0.5, q = 0.25 -> rho = 2; "token" with cap 1.5 -> 1.5.
+    Example: pi_old = 0.5, q = 0.25 -> rho = 2; token/truncate with cap 1.5 -> 1.5; token/mask -> 0.
+    Sequence: two tokens with rho 2 and 2 -> rho = 4; cap 3: truncate -> 3, mask -> 0.
     """
     mask = mask.bool()
     log_rho = torch.where(mask, old_logprobs.detach() - sampler_logprobs, 0.0)  # (B, T)
-    if mode == "token":
-        rho = torch.exp(log_rho)
+    if level == "sequence":
+        log_rho = log_rho.sum(1, keepdim=True)  # (B, 1): log prod_t rho_t
+    elif level != "token":
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    rho = torch.exp(log_rho)
+    over = rho > cap  # (B, T) or (B, 1)
+    if action == "truncate":
         weights = rho.clamp(max=cap)
-        limited = (rho > cap) & mask
-        frac = limited.sum().item() / max(mask.sum().item(), 1)
-    elif mode == "sequence":
-        seq = log_rho.sum(1) / mask.sum(1).clamp(min=1)  # (B,) log of the geometric mean
-        keep = seq.abs() <= math.log(cap)
-        weights = keep[:, None].to(log_rho.dtype).expand_as(log_rho)
-        frac = 1.0 - keep.float().mean().item()
+    elif action == "mask":
+        weights = (~over).to(rho.dtype)
     else:
-        raise ValueError(f"mode must be 'token' or 'sequence', got {mode!r}")
-    weights = torch.where(mask, weights, 0.0)
+        raise ValueError(f"action must be 'truncate' or 'mask', got {action!r}")
+    weights = torch.where(mask, weights.expand_as(mask), 0.0)
     n = max(mask.sum().item(), 1)
+    counted = mask if level == "token" else mask.any(1, keepdim=True)  # tokens, or non-empty completions
+    frac = (over & counted).sum().item() / max(counted.sum().item(), 1)
     return weights, {"is_weight_mean": weights.sum().item() / n, "is_limited_frac": frac}
 
 

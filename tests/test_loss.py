@@ -164,6 +164,24 @@ def test_k3_kl_is_nonnegative_and_zero_at_equality():
     assert m_eq["kl"] == 0.0
 
 
+def test_k3_kl_is_clamped_on_an_extreme_token():
+    """A token whose reference logprob is 20 nats above the policy's: unclamped k3 = e^20 - 21 ~ 4.9e8, finite,
+    so the non-finite guard would let it dominate the update. Clamped as verl's low_var_kl: at most 10."""
+    from loss import k3_kl
+
+    lp = torch.tensor([[-25.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-5.0, -1.0 + LN(2)]])
+    kl = k3_kl(lp, ref, torch.ones(1, 2, dtype=torch.bool))
+    assert kl.tolist()[0] == pytest.approx([10.0, 1 - LN(2)], abs=1e-6)
+    assert math.exp(20) - 21 > 4e8  # what the plain formula gives on the first token
+    kl.sum().backward()
+    assert lp.grad.tolist()[0] == pytest.approx([0.0, -1.0], abs=1e-6)  # the clamped token adds no gradient
+    loss, m = grpo_loss(lp.detach(), lp.detach(), torch.zeros(1), torch.ones(1, 2), ref_logprobs=ref, beta=1.0)
+    assert loss.item() == pytest.approx((10 + 1 - LN(2)) / 2, abs=1e-5) and m["kl"] <= 10
+    d = torch.tensor([[-50.0]])  # the other side: ref far below the policy, k3 = e^-20 + 20 - 1 ~ 19 -> 10
+    assert k3_kl(torch.zeros(1, 1), d, torch.ones(1, 1, dtype=torch.bool)).item() == pytest.approx(10.0)
+
+
 def test_entropy_bonus_lowers_the_loss():
     lp = torch.zeros(1, 2, requires_grad=True)
     ent = torch.tensor([[2.0, 4.0]], requires_grad=True)
@@ -370,16 +388,44 @@ def test_sampler_is_weights_hand_worked():
     old = torch.tensor([[LN(0.5), LN(0.9), 0.0]])
     sampler = torch.tensor([[LN(0.25), LN(0.9), -float("inf")]])  # the padding may hold anything
     mask = torch.tensor([[1, 1, 0]])
-    w, m = sampler_is_weights(old, sampler, mask, mode="token", cap=1.5)
+    w, m = sampler_is_weights(old, sampler, mask, level="token", action="truncate", cap=1.5)
     assert w.tolist()[0] == pytest.approx([1.5, 1.0, 0.0])  # rho = [2, 1], capped at 1.5
     assert m == {"is_weight_mean": pytest.approx(1.25), "is_limited_frac": 0.5}
-    # sequence: geometric mean of rho = sqrt(2) = 1.414: kept under cap 1.5, masked under cap 1.2
-    w, m = sampler_is_weights(old, sampler, mask, mode="sequence", cap=1.5)
-    assert w.tolist()[0] == [1.0, 1.0, 0.0] and m["is_limited_frac"] == 0.0
-    w, m = sampler_is_weights(old, sampler, mask, mode="sequence", cap=1.2)
+    w, m = sampler_is_weights(old, sampler, mask, level="token", action="mask", cap=1.5)
+    assert w.tolist()[0] == [0.0, 1.0, 0.0] and m["is_limited_frac"] == 0.5  # rho 2 > 1.5 leaves the loss
+    # sequence: the product of rho (2 x 1 = 2), not its geometric mean (1.414)
+    w, m = sampler_is_weights(old, sampler, mask, level="sequence", action="truncate", cap=1.5)
+    assert w.tolist()[0] == pytest.approx([1.5, 1.5, 0.0]) and m["is_limited_frac"] == 1.0
+    w, m = sampler_is_weights(old, sampler, mask, level="sequence", action="truncate", cap=3.0)
+    assert w.tolist()[0] == pytest.approx([2.0, 2.0, 0.0]) and m["is_limited_frac"] == 0.0
+    w, m = sampler_is_weights(old, sampler, mask, level="sequence", action="mask", cap=1.5)
     assert w.tolist()[0] == [0.0, 0.0, 0.0] and m["is_limited_frac"] == 1.0
-    with pytest.raises(ValueError, match="mode"):
-        sampler_is_weights(old, sampler, mask, mode="off")
+    w, _ = sampler_is_weights(old, sampler, mask, level="sequence", action="mask", cap=3.0)
+    assert w.tolist()[0] == [1.0, 1.0, 0.0]
+
+
+def test_sequence_is_weight_is_the_product_over_a_long_completion():
+    """500 tokens each with rho = 1.01: the product is 1.01^500 = 145, far past a cap of 3, though the
+    per-token geometric mean (1.01) is well inside any [1/cap, cap] band."""
+    from loss import sampler_is_weights
+
+    old, sampler, mask = torch.full((1, 500), math.log(1.01)), torch.zeros(1, 500), torch.ones(1, 500)
+    w, m = sampler_is_weights(old, sampler, mask, level="sequence", action="truncate", cap=3.0)
+    assert torch.allclose(w, torch.full((1, 500), 3.0)) and m["is_limited_frac"] == 1.0
+    w, _ = sampler_is_weights(old, sampler, mask, level="sequence", action="mask", cap=3.0)
+    assert w.sum().item() == 0.0
+    w, m = sampler_is_weights(old, sampler, mask, level="token", action="truncate", cap=2.0)
+    assert torch.allclose(w, torch.full((1, 500), 1.01)) and m["is_limited_frac"] == 0.0
+
+
+def test_sampler_is_weights_bad_options():
+    from loss import sampler_is_weights
+
+    x, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="level"):
+        sampler_is_weights(x, x, mask, level="off")
+    with pytest.raises(ValueError, match="action"):
+        sampler_is_weights(x, x, mask, action="clip")
 
 
 def test_is_weights_scale_the_surrogate_but_not_the_kl():
