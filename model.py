@@ -100,14 +100,45 @@ def model_path(cfg):
     return cfg.model
 
 
+BUILT_HERE = ("tiny", "smollm2-135m")  # model names that model_path builds or converts locally
+
+
 def check_model_source(path):
-    """Fail before any expensive work if a local-looking model path does not exist."""
+    """Fail before any expensive work if the weights cannot be had: a missing folder, or a hub name that is
+    neither in the local Hugging Face cache nor reachable (transformers would retry the hub, then raise)."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"model folder {path} has no config.json; point --model at a saved HF model")
     elif path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not an org/name on the hub
         raise ConfigError(f"model folder {path} not found; set --model to a folder or a hub name like "
-                                f"Qwen/Qwen2.5-3B-Instruct")
+                          f"Qwen/Qwen2.5-3B-Instruct")
+    elif not hub_cached(path) and not hub_reachable():
+        raise ConfigError(
+            f"model {path} is not a local folder, is not in the Hugging Face cache, and the hub cannot be reached "
+            f"from here. Fetch it on a machine with internet (`hf download {path}`, then copy ~/.cache/huggingface "
+            f"here), or set --model to a folder with its config.json and weights")
+
+
+def hub_cached(name):
+    """True if the hub model's config.json is in the local Hugging Face cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+
+
+def hub_reachable(timeout=3.0):
+    """True unless HF_HUB_OFFLINE is set or the hub's host does not answer a TCP connection within `timeout`."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def load_policy(cfg, path, device, adapter=None):
@@ -118,6 +149,7 @@ def load_policy(cfg, path, device, adapter=None):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    disable_dropout(policy)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
@@ -130,6 +162,17 @@ def load_policy(cfg, path, device, adapter=None):
             lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules="all-linear")
             policy = get_peft_model(policy, lora)
     return tokenizer, policy
+
+
+def disable_dropout(model):
+    """No dropout in the policy (TRL's disable_dropout): with it, the trainer's logprobs of a batch are not the
+    sampler's, and the detached-logprob shortcut for the old policy (num_iterations = 1) no longer holds."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # HF attention takes it as a float
+            module.attention_dropout = 0.0
+    return model
 
 
 def push_weights_iter(policy, bucket_mb=256):

@@ -5,12 +5,21 @@ sampler's own logprob of every sampled token, taken from logits / temperature (R
 directly comparable with the trainer's recomputed logprobs. Each prompt comes with a seed that
 depends on (seed, step, the prompt's place in the step's global batch) only, so a resumed run
 samples exactly what it would have. HF seeds every prompt with its own seed, so N ranks sample what
-one process does; vLLM seeds the whole call with the first prompt's seed (a per-request seed
-crashes vLLM's CPU sampler and slows its GPU one).
+one process does. vLLM on a GPU does the same through a per-request seed (its V2 model runner
+otherwise draws each request's seed from numpy's global RNG, seeded once at engine start); on a CPU,
+where a per-request seed crashes vLLM's sampler, the whole call is seeded from the first prompt's
+seed (torch's and numpy's global generators, which the in-process CPU engine samples from).
+
+Both engines sample with exactly the settings the trainer assumes, nothing from the model's
+generation_config (a repetition penalty there would make the samples off-policy), and both stop on
+the same tokens (stop_tokens).
 """
 
+import logging
 import os
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 from tqdm import tqdm
@@ -27,6 +36,22 @@ class Completion:
     truncated: bool  # hit max_tokens before EOS (R6)
 
 
+def stop_tokens(tokenizer, generation_config):
+    """Token ids that end a completion: the tokenizer's EOS and every EOS the model's generation_config
+    lists (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>). Both engines stop on exactly these."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    listed = [eos] if isinstance(eos, int) else list(eos or [])
+    return sorted({tokenizer.eos_token_id, *listed} - {None})
+
+
+class _HarmlessReloadWarning(logging.Filter):
+    """vLLM warns "RotaryEmbedding: Failed to load weights" on every push: rotary caches are buffers it
+    computes itself, not weights, and it restores them. Harmless, so it must not read as a failure."""
+
+    def filter(self, record):
+        return not record.getMessage().endswith("RotaryEmbedding: Failed to load weights")
+
+
 def vllm_available():
     import importlib.util
 
@@ -39,7 +64,11 @@ class VLLMEngine:
     def __init__(self, path, cfg, device):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weight pushes are plain tensor copies
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_cpu_kv_cache_gb))  # GiB of KV cache on CPU
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one line per step is ours; set it to INFO to debug
+        from transformers import GenerationConfig
         from vllm import LLM
+
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_HarmlessReloadWarning())
 
         # R1: sleep mode hands the GPU memory to the trainer between generations. Level 1 copies the
         # weights to CPU RAM and back; level 2 drops them, which is free here because every wake is
@@ -64,6 +93,12 @@ class VLLMEngine:
         )
         self.group = parallel.consecutive_group(cfg.vllm_tensor_parallel)  # the ranks that share this engine
         self.tokenizer = self.llm.get_tokenizer()
+        try:
+            self.stop = stop_tokens(self.tokenizer, GenerationConfig.from_pretrained(path))
+        except OSError:  # the folder has no generation_config.json
+            self.stop = stop_tokens(self.tokenizer, None)
+        # per-request seeds: on a GPU the only way to tie sampling to the prompt's seed; on a CPU they crash
+        self.per_request_seed = on_gpu
         self.dtype = getattr(torch, cfg.dtype)  # the engine's weights; the trainer keeps fp32 masters
         self.asleep = False
 
@@ -76,9 +111,16 @@ class VLLMEngine:
             start = sum(counts[: parallel.rank() % len(counts)])  # groups are consecutive ranks
             mine = slice(start, start + len(prompts))  # this rank keeps the completions of its own prompts
             prompts, seeds = (parallel.all_gather_list(x, group=self.group) for x in (prompts, seeds))
-        torch.manual_seed(seeds[0])  # the in-process engine samples from torch's global generator
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                logprobs=0 if temperature > 0 else None)
+        # An explicit SamplingParams takes nothing from the model's generation_config but its EOS list (vLLM's
+        # default params would take its repetition penalty too); stop_token_ids makes the stop set the HF engine's
+        params = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                      logprobs=0 if temperature > 0 else None, stop_token_ids=self.stop)
+        if self.per_request_seed:  # the n completions of a request get seed, seed + 1, ... (vLLM's parallel sampling)
+            params = [SamplingParams(**params, seed=seed) for seed in seeds]
+        else:  # the in-process CPU engine samples from torch's global generator; numpy's too, to be safe
+            torch.manual_seed(seeds[0])
+            np.random.seed(seeds[0] % 2**32)
+            params = SamplingParams(**params)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
         # decode ourselves: vLLM's incremental detokenizer can drop a trailing partial UTF-8 byte, and both
         # engines must score the same text for the same tokens
@@ -111,8 +153,9 @@ class VLLMEngine:
     def push_weights(self, named_tensors):
         """Load (name, tensor) pairs in place, consumed lazily: one tensor (or bucket) is materialised at a time."""
         cast = ((name, t.to(self.dtype)) for name, t in named_tensors)  # as vLLM would round them, one at a time
-        self.llm.collective_rpc(lambda worker, w: worker.model_runner.reload_weights(weights_iterator=w),
-                                args=(cast,))
+        # the worker's reload_weights (not its model runner's) sets vLLM's current config, which MoE and
+        # quantised weight loaders read
+        self.llm.collective_rpc(lambda worker, w: worker.reload_weights(weights_iterator=w), args=(cast,))
 
 
 class HFEngine:
@@ -121,6 +164,10 @@ class HFEngine:
     def __init__(self, policy, tokenizer, synced_gpus=False):
         # FSDP2 gathers weights in every forward: all ranks must keep stepping until the slowest is done
         self.policy, self.tokenizer, self.synced_gpus = policy, tokenizer, synced_gpus
+        # generate() is the HF model's, also under a peft wrapper: that model's generation_config is the one
+        # transformers fills unset settings from
+        self.hf_model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        self.stop = stop_tokens(tokenizer, self.hf_model.generation_config)
 
     @torch.no_grad()
     def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, progress=False):
@@ -130,19 +177,25 @@ class HFEngine:
         gen = GenerationConfig(do_sample=not greedy, temperature=temperature if not greedy else None,
                                top_p=top_p if not greedy else None,
                                top_k=max(top_k, 0),  # 0 = off; None would mean transformers' default of 50
-                               max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.tokenizer.eos_token_id,
+                               max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.stop,
                                pad_token_id=self.tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True)
-        was_training = self.policy.training
+        was_training, model_defaults = self.policy.training, self.hf_model.generation_config
         self.policy.eval()
-        # One prompt at a time: its n rows share the prompt, so there is no padding, and the positions
-        # match the trainer's exactly (left padding would shift them).
-        groups = [self._group(p, seed, gen, greedy)
-                  for p, seed in tqdm(list(zip(prompts, seeds)), desc="generate", disable=not progress, leave=False)]
-        self.policy.train(was_training)
+        # transformers fills every setting left unset from the model's generation_config (Qwen2.5-Instruct ships
+        # repetition_penalty 1.05): with a clean one there, the samples follow exactly the trainer's distribution
+        self.hf_model.generation_config = GenerationConfig()
+        try:
+            # One prompt at a time: its n rows share the prompt, so there is no padding, and the positions
+            # match the trainer's exactly (left padding would shift them).
+            groups = [self._group(p, seed, gen, greedy)
+                      for p, seed in tqdm(list(zip(prompts, seeds)), desc="generate", disable=not progress, leave=False)]
+        finally:
+            self.hf_model.generation_config = model_defaults
+            self.policy.train(was_training)
         return groups
 
     def _group(self, prompt, seed, gen, greedy):
-        device, eos = next(self.policy.parameters()).device, self.tokenizer.eos_token_id
+        device = next(self.policy.parameters()).device
         torch.manual_seed(seed)
         out = self.policy.generate(input_ids=torch.tensor([prompt], device=device), generation_config=gen,
                                    synced_gpus=self.synced_gpus)
@@ -153,11 +206,12 @@ class HFEngine:
         group = []
         for row in range(len(sampled)):
             tokens = sampled[row].tolist()
-            stop = tokens.index(eos) + 1 if eos in tokens else len(tokens)  # rows that stopped early are padded
+            # rows that stopped early are padded after their stop token
+            stop = next((i + 1 for i, t in enumerate(tokens) if t in self.stop), len(tokens))
             tokens = tokens[:stop]
             group.append(Completion(list(prompt), tokens, self.tokenizer.decode(tokens, skip_special_tokens=True),
                                     logprobs[row, :stop].tolist() if not greedy else [],
-                                    stop == gen.max_new_tokens and tokens[-1] != eos))
+                                    stop == gen.max_new_tokens and tokens[-1] not in self.stop))
         return group
 
     def wake(self, named_tensors):

@@ -73,13 +73,16 @@ def test_lora_push_is_merged_under_base_names_and_leaves_the_base_alone(tiny):
     assert torch.equal(layer.base_layer.weight, plain[name])  # the frozen base, bit for bit (merge/unmerge is not)
 
 
-def test_missing_or_broken_model_folders_fail_clearly(tmp_path):
+def test_missing_or_broken_model_folders_fail_clearly(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="not found"):
         check_model_source("./no/such/model")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="has no config.json"):
         check_model_source(str(tmp_path / "empty"))
-    check_model_source("Qwen/Qwen2.5-3B-Instruct")  # a hub name is left to the loader
+    import model
+
+    monkeypatch.setattr(model, "hub_cached", lambda name: True)
+    check_model_source("Qwen/Qwen2.5-3B-Instruct")  # a hub name in the local cache is left to the loader
 
 
 def test_publish_keeps_the_folder_another_process_wrote_first(tmp_path):
@@ -98,3 +101,32 @@ def test_publish_keeps_the_folder_another_process_wrote_first(tmp_path):
     (tmp_path / "b" / "junk").write_text("x")  # not a model folder: that is an error, not a race
     with pytest.raises(OSError):
         publish(tmp_path / "b.tmp", tmp_path / "b")
+
+
+def test_a_hub_name_that_cannot_be_fetched_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without internet
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache.*hf download Qwen/Qwen2.5-3B-Instruct"):
+        check_model_source("Qwen/Qwen2.5-3B-Instruct")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port: unreachable
+    with pytest.raises(ConfigError, match="the hub cannot be reached"):
+        check_model_source("Qwen/Qwen2.5-3B-Instruct")
+
+
+def test_dropout_is_off_in_the_policy(tmp_path):
+    """A model whose config asks for attention dropout: the policy's logprobs must not depend on the draw."""
+    folder = build_tiny(str(tmp_path / "tiny"))
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg_json = json.load(f)
+    cfg_json["attention_dropout"] = 0.5
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg_json, f)
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 11, 8]])
+    raw = AutoModelForCausalLM.from_pretrained(folder).train()
+    raw.config._attn_implementation = "eager"  # eager and sdpa both apply attention dropout in train mode
+    assert not torch.equal(raw(ids).logits, raw(ids).logits)  # the folder really has dropout
+    _, policy = load_policy(load_config(overrides=["--dtype=float32"]), folder, "cpu")
+    policy.train()
+    assert torch.equal(policy(ids).logits, policy(ids).logits)

@@ -135,3 +135,103 @@ def test_vllm_parity_with_untied_embeddings(tiny, tmp_path):
     engine = VLLMEngine(path, cfg, "cpu")
     engine.wake(push_weights_iter(policy, bucket_mb=0))  # bucket_mb=0: one tensor per bucket
     assert trainer_gap(policy, cfg, sample(engine, tiny[4])) < 1e-3
+
+
+# ---------------------------------------------------------------- the model's generation_config, stops and seeds
+
+
+def with_generation_config(path, tmp_path, **fields):
+    """A copy of the tiny model folder whose generation_config.json sets `fields`."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = str(tmp_path / "with_generation_config")
+    shutil.copytree(path, folder)
+    GenerationConfig(**fields).save_pretrained(folder)
+    return folder
+
+
+def test_hf_engine_ignores_the_models_sampling_defaults(tiny, tmp_path):
+    """Qwen2.5-Instruct ships repetition_penalty 1.05; transformers fills every unset setting from it. The samples
+    must follow the trainer's distribution exactly, so the HF engine starts from a clean GenerationConfig."""
+    cfg, path, tokenizer, _, prompts = tiny
+    folder = with_generation_config(path, tmp_path, do_sample=True, repetition_penalty=3.0, no_repeat_ngram_size=2,
+                                    top_k=5, min_p=0.2)
+    _, policy = load_policy(cfg, folder, "cpu")
+    assert policy.generation_config.repetition_penalty == 3.0
+    engine = HFEngine(policy, tokenizer)
+    assert trainer_gap(policy, cfg, sample(engine, prompts)) < 1e-3
+    assert policy.generation_config.repetition_penalty == 3.0  # restored: checkpoints keep the model's own file
+
+
+def greedy_first_token(policy, prompt):
+    with torch.no_grad():
+        return int(policy(torch.tensor([prompt])).logits[0, -1].argmax())
+
+
+def test_stop_tokens_are_the_tokenizers_eos_and_the_generation_configs():
+    from types import SimpleNamespace
+
+    from rollout import stop_tokens
+
+    tok = SimpleNamespace(eos_token_id=7)
+    assert stop_tokens(tok, SimpleNamespace(eos_token_id=[151645, 151643])) == [7, 151643, 151645]
+    assert stop_tokens(tok, SimpleNamespace(eos_token_id=7)) == [7]
+    assert stop_tokens(tok, None) == [7]
+
+
+def test_hf_engine_stops_on_every_eos_the_model_lists(tiny, tmp_path):
+    cfg, path, tokenizer, _, prompts = tiny
+    first = greedy_first_token(load_policy(cfg, path, "cpu")[1], prompts[0])  # the folder's weights (others perturb)
+    assert first != tokenizer.eos_token_id
+    folder = with_generation_config(path, tmp_path, eos_token_id=[tokenizer.eos_token_id, first])
+    _, listed = load_policy(cfg, folder, "cpu")
+    got = sample(HFEngine(listed, tokenizer), prompts[:1], temperature=0.0, n=1)[0][0]
+    assert got.completion_ids == [first] and not got.truncated  # stopped on the second listed EOS, kept it
+
+
+VLLM_SCRIPT = """
+import json, sys
+from config import load_config
+from grpo import sampling_seeds
+from rollout import VLLMEngine
+cfg = load_config(overrides=["--model=tiny", "--dtype=float32", "--max_prompt_len=64", "--max_completion_len=24",
+                             "--micro_batch_tokens=256", "--seed=0"])
+engine = VLLMEngine(sys.argv[1], cfg, "cpu")
+prompts = json.loads(sys.argv[2])
+def ids(seeds, temperature=1.0, n=4):
+    groups = engine.generate(prompts, n, seeds=seeds, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=24)
+    return [[c.completion_ids for c in g] for g in groups]
+rank0, rank1 = sampling_seeds(cfg, 3, 0, 2), sampling_seeds(cfg, 3, 2, 2)  # two ranks' prompts of one step
+print("RESULT " + json.dumps({"rank0": ids(rank0), "rank1": ids(rank1), "rank0_again": ids(rank0),
+                              "greedy": ids([0, 0], temperature=0.0, n=1), "stop": engine.stop}))
+"""
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_vllm_seeds_survive_a_fresh_engine_and_stops_match_the_hf_engine(tiny, tmp_path):
+    """Resume starts a fresh engine: the same seeds must give the same completions, and other ranks' seeds
+    other completions. Each engine runs in its own process (vLLM's parallel state is process-global)."""
+    import json
+    import subprocess
+    import sys
+
+    cfg, path, tokenizer, _, prompts = tiny
+    first = greedy_first_token(load_policy(cfg, path, "cpu")[1], prompts[0])  # the weights the engine loads
+    folder = with_generation_config(path, tmp_path, eos_token_id=[tokenizer.eos_token_id, first])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run():
+        proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, folder, json.dumps(prompts)], capture_output=True,
+                              text=True, cwd=root, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+    a, b = run(), run()
+    assert a["rank0"] == b["rank0"] and a["rank1"] == b["rank1"]  # a fresh engine, the same samples
+    assert a["rank0"] == a["rank0_again"]  # and within one engine, whatever ran before
+    assert a["rank0"] != a["rank1"]  # other seeds, other samples
+    assert a["stop"] == HFEngine(load_policy(cfg, folder, "cpu")[1], tokenizer).stop
+    assert a["greedy"][0] == [[first]]  # vLLM stopped on the second listed EOS too, and kept it
