@@ -88,9 +88,11 @@ class Config:
     vllm_cpu_kv_cache_gb: int = 1  # R1: KV cache of vLLM on a CPU (VLLM_CPU_KVCACHE_SPACE), GiB
     vllm_sleep_level: int = 2  # R1: sleep between generations (GPU only): 1 offloads weights to CPU, 2 drops them; 0 = never
     push_bucket_mb: int = 256  # R2: weights are gathered and pushed to vLLM in buckets of this size
-    parity_warn: float = 1e-3  # R2: warn when the sampler's logprobs differ from the trainer's by more (mean)
-    is_correction: str = "off"  # R2: sampler/trainer mismatch: "token" = truncated IS weights, "sequence" = mask; "off"
-    is_cap: float = 2.0  # R2: "token": weights capped at this; "sequence": sequences outside [1/cap, cap] masked
+    parity_warn: float = 0.0  # R2: warn when the sampler's logprobs differ from the trainer's by more (mean); 0 = PARITY_WARN[dtype]
+    is_correction: str = "off"  # R2: weigh each token (or completion) by pi_old / q, q = the sampler's: "token" | "sequence" | "off"
+    is_mode: str = "truncate"  # R2: a weight above its cap is cut to the cap ("truncate", TIS) or leaves the loss ("mask")
+    is_cap: float = 2.0  # R2: cap on the per-token ratio (TRL vllm_importance_sampling_cap)
+    is_seq_cap: float = 3.0  # R2: cap on the completion's ratio, the product over its tokens (not a geometric mean)
 
     # ---- advantages (A1-A3) ----
     adv_scale: str = "group"  # A1: "group" divides by the group std (z-score); "none" = mean-only (Dr. GRPO)
@@ -99,13 +101,17 @@ class Config:
     adv_clip: float = 0.0  # A3: clamp advantages to +-adv_clip after normalising; 0 = off (5 binary, 3 continuous)
 
     # ---- loss (L1-L8) ----
-    clip_eps: float = 0.2  # L1: PPO clip range 1 +- eps (TRL epsilon, verl clip_ratio)
+    # With num_iterations = 1 the ratio is exactly 1 in the one update, so clip_eps, clip_eps_high and GSPO's
+    # ratio_level change nothing: they act from the second epoch over a batch on (L7).
+    clip_eps: float = 0.2  # L1: PPO clip range 1 +- eps (TRL epsilon, verl clip_ratio); inert when num_iterations = 1
     clip_eps_high: float = 0.0  # L1: upper clip 1 + eps_high (DAPO clip-higher, e.g. 0.28); 0 = same as clip_eps
     loss_agg: str = "token-mean"  # L2: "token-mean" | "seq-mean" (paper) | "dr-grpo" (sum / (seqs x max_completion_len))
     ratio_level: str = "token"  # L8: "token" | "sequence" (GSPO; use clip_eps ~3e-4 and seq-mean with it)
     beta: float = 0.001  # L4: weight of the k3 KL to the reference (002: 0.001); 0 = no reference model at all
     entropy_coef: float = 0.0  # L5: entropy bonus 1e-4..1e-3; 0 = off (verl entropy_coeff)
-    num_iterations: int = 1  # L7: update epochs over one batch; 1 = on-policy (TRL num_iterations, verl ppo_epochs)
+    # num_iterations is verl's ppo_epochs only when verl's ppo_mini_batch_size is the whole batch (one optimizer
+    # step per epoch, as here)
+    num_iterations: int = 1  # L7: update epochs over one batch; 1 = on-policy, the ratio exactly 1 (TRL num_iterations)
 
     # ---- reference model (F1) ----
     ref_offload: bool = False  # F1: keep the reference on the CPU between its once-per-batch passes
@@ -126,7 +132,9 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay
     adam_betas: tuple = (0.9, 0.99)  # AdamW betas
     grad_clip: float = 1.0  # O2: clip the global grad norm to this; 0 = off
-    dtype: str = "bfloat16"  # O5: compute dtype ("bfloat16" | "float32"); logprobs and loss stay fp32 (L6)
+    # "auto": bf16 on a GPU; fp32 on a CPU, where bf16 matmuls are emulated unless the CPU has AVX512-BF16 (on an
+    # AVX2-only CPU a bf16 matmul measured 6x slower than fp32) and vLLM's bf16 kernels differ more from the trainer's
+    dtype: str = "auto"  # O5: compute dtype "bfloat16" | "float32" | "auto"; logprobs and loss stay fp32 (L6)
     gradient_checkpointing: bool = False  # O5: recompute activations in backward; trades ~30% time for memory
     lora_rank: int = 0  # O5: LoRA rank through peft; 0 = full fine-tuning
     lora_alpha: int = 32  # O5: LoRA scale numerator (the update is scaled by lora_alpha / lora_rank)
@@ -141,8 +149,15 @@ class Config:
     # ---- derived: computed by derive(), never set by hand ----
     prompts_per_step: int = field(default=0, init=False)  # batch_size // group_size
     clip_eps_high_eff: float = field(default=0.0, init=False)  # clip_eps_high, or clip_eps when that is 0
+    parity_warn_eff: float = field(default=0.0, init=False)  # parity_warn, or PARITY_WARN[dtype] when that is 0
     reward_weights: dict = field(default_factory=dict, init=False)  # the W2-W3 settings, as rewards.shape_reward kwargs
 
+
+# R2: the mean |sampler - trainer| logprob gap above which a run warns, by compute dtype. In fp32 the two sides agree
+# to ~1e-6 on the same weights, so 1e-3 means a real fault. In bf16 they differ by rounding alone (vLLM keeps its
+# residual stream in bf16, the trainer's autocast keeps it in fp32): ~0.03 on the default model at temperature
+# 0.7 (README), so the bf16 bound sits above that; a temperature mismatch or weights several steps stale exceed it.
+PARITY_WARN = {"float32": 1e-3, "bfloat16": 0.1}
 
 TASKS = ("countdown", "math", "digits")
 REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "length_soft_limit",
@@ -152,10 +167,11 @@ CHOICES = {
     "adv_scale": ("group", "none"),
     "loss_agg": ("token-mean", "seq-mean", "dr-grpo"),
     "ratio_level": ("token", "sequence"),
-    "dtype": ("bfloat16", "float32"),
+    "dtype": ("auto", "bfloat16", "float32"),
     "engine": ("auto", "vllm", "hf"),
     "device": ("auto", "cuda", "cpu"),
     "is_correction": ("off", "token", "sequence"),
+    "is_mode": ("truncate", "mask"),
     "vllm_sleep_level": (0, 1, 2),
     "parallel": ("fsdp", "ddp"),
 }
@@ -170,7 +186,19 @@ def derive(cfg):
     cfg.prompts_per_step = cfg.batch_size // cfg.group_size
     cfg.clip_eps_high_eff = cfg.clip_eps_high or cfg.clip_eps
     cfg.reward_weights = {k: getattr(cfg, k) for k in REWARD_KEYS}
+    if cfg.dtype == "auto":  # O5: resolved once here, so the engine, the trainer and pre-flight agree
+        cfg.dtype = "bfloat16" if on_gpu(cfg) else "float32"
+    cfg.parity_warn_eff = cfg.parity_warn or PARITY_WARN[cfg.dtype]
     return cfg
+
+
+def on_gpu(cfg):
+    """True if the run will compute on a GPU (device "cuda", or "auto" with one present)."""
+    if cfg.device == "cpu":
+        return False
+    import torch
+
+    return cfg.device == "cuda" or torch.cuda.is_available()
 
 
 # ---------------------------------------------------------------- loading
@@ -319,6 +347,9 @@ def validate(cfg):
         raise ConfigError("ref_offload is for one process; under FSDP the reference is already sharded over ranks")
     if cfg.task not in TASKS and not (cfg.task.endswith(".jsonl") and os.path.isfile(cfg.task)):
         raise ConfigError(f"task={cfg.task!r}: choose one of {TASKS} or the path of an existing .jsonl file")
+    if cfg.ref_refresh_steps and cfg.beta == 0:
+        raise ConfigError(f"ref_refresh_steps={cfg.ref_refresh_steps} refreshes the reference, but beta=0 means there is "
+                          "none; set beta > 0 (e.g. 0.001) or ref_refresh_steps=0 (F1)")
     if cfg.lora_rank and cfg.ref_refresh_steps:
         raise ConfigError("ref_refresh_steps needs full fine-tuning: with LoRA the reference is the base model (F1)")
     from data.arith import KINDS
@@ -352,8 +383,9 @@ def validate(cfg):
                  "reward_workers"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
-    if cfg.is_cap <= 1:
-        raise ConfigError(f"is_cap={cfg.is_cap} must be > 1 (TRL uses 2.0)")
+    for name in ("is_cap", "is_seq_cap"):
+        if getattr(cfg, name) <= 1:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be > 1 (TRL uses 2-3)")
     if cfg.lr <= 0:
         raise ConfigError(f"lr={cfg.lr} must be > 0")
     if not 0 <= cfg.min_lr_ratio <= 1:
@@ -362,6 +394,7 @@ def validate(cfg):
         raise ConfigError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1); 0.3-0.5 (R1)")
     if not 0 < cfg.temperature or not 0 < cfg.top_p <= 1:
         raise ConfigError(f"temperature={cfg.temperature} must be > 0 and top_p={cfg.top_p} in (0, 1]")
+    warn_misleading(cfg)
     longest = cfg.max_prompt_len + cfg.max_completion_len
     if cfg.micro_batch_tokens < longest:
         raise ConfigError(
@@ -370,6 +403,24 @@ def validate(cfg):
             f"or lower max_completion_len"
         )
     return cfg
+
+
+def warn_misleading(cfg):
+    """Settings that run but do not do what their name suggests: warn, saying what to change."""
+    if cfg.ratio_level == "sequence":  # L8, GSPO
+        if cfg.loss_agg == "token-mean":
+            warnings.warn("ratio_level='sequence' (GSPO) with loss_agg='token-mean' weighs each completion by its "
+                          "length; GSPO averages per sequence: set loss_agg='seq-mean'")
+        if cfg.clip_eps > 0.01:
+            warnings.warn(f"ratio_level='sequence' with clip_eps={cfg.clip_eps}: a geometric-mean ratio almost never "
+                          "leaves 1 +- 0.2, so nothing is clipped; GSPO uses clip_eps=3e-4, clip_eps_high=4e-4")
+        if cfg.num_iterations == 1:
+            warnings.warn("ratio_level='sequence' with num_iterations=1: every ratio is exactly 1, so the gradient "
+                          "equals the token-level one; GSPO differs only when num_iterations > 1")
+    if cfg.top_p < 1 or cfg.top_k > 0:
+        warnings.warn(f"top_p={cfg.top_p}, top_k={cfg.top_k}: the sampler's logprobs are renormalised over the kept "
+                      "tokens while the trainer's are over the whole vocabulary, so the two sides of the ratio (and "
+                      "the parity metric) differ by construction; use top_p=1, top_k=-1 for GRPO (R5)")
 
 
 # Shapes of the models the shipped run files use, so pre-flight needs no download.
@@ -452,6 +503,9 @@ def device_memory_gib(cfg):
     return None
 
 
+CPU_RUN_GIB = 16  # O6: an update estimated above this, with no GPU, needs an explicit --device=cpu
+
+
 def preflight(cfg):
     """O6: print the memory estimate and fail if one update or the vLLM share cannot fit."""
     shape = model_shape(cfg.model)
@@ -464,6 +518,10 @@ def preflight(cfg):
     update = resident + est["grads"] + est["activations"]
     print("pre-flight memory estimate (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in est.items()))
     if total is None:
+        if update > CPU_RUN_GIB and cfg.device != "cpu":
+            raise ConfigError(
+                f"this run's update needs ~{update:.0f} GiB: it is sized for a GPU, and there is none here. "
+                f"To run it on the CPU anyway (slowly), pass --device=cpu; `python grpo.py` is the CPU-sized run")
         print(f"pre-flight: update peak ~{update:.2f} GiB; no GPU here, so no fit check")
         return est
     vllm = cfg.gpu_memory_utilization * total

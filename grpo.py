@@ -40,7 +40,7 @@ from config import ConfigError, config_from_argv, preflight, save_config
 from data.sampler import CurriculumSampler, PromptSampler
 from data.tasks import chat_messages, load_problems
 from loss import adaptive_kl_beta, grpo_loss, logprobs_and_entropy, lr_at, sampler_is_weights
-from model import check_model_source, load_policy, model_path, push_weights_iter
+from model import BUILT_HERE, check_model_source, load_policy, model_path, push_weights_iter
 from rewards import score_batch
 from rollout import HFEngine, VLLMEngine, vllm_available
 
@@ -98,11 +98,14 @@ def select_groups(batch, groups, G):
 
 
 def concat(a, b):
-    """Two rollout batches as one (R7's refills)."""
-    return {"problem": a["problem"] + b["problem"], "completions": a["completions"] + b["completions"],
-            "rewards": torch.cat([a["rewards"], b["rewards"]]),
-            "components": {k: torch.cat([a["components"][k], b["components"][k]]) for k in a["components"]},
-            "score_seconds": a["score_seconds"] + b["score_seconds"]}
+    """Two batches as one (R7's refills), rollout or gathered: lists joined, tensors joined, seconds added."""
+    out = {}
+    for k, v in a.items():
+        if isinstance(v, dict):  # the reward components
+            out[k] = {c: torch.cat([v[c], b[k][c]]) for c in v}
+        else:
+            out[k] = torch.cat([v, b[k]]) if torch.is_tensor(v) else v + b[k]
+    return out
 
 
 def gather_batch(batch):
@@ -301,13 +304,15 @@ def truncate_log(path, step):
 class Logger:
     """One console line per step, every metric appended to metrics.jsonl, wandb/tensorboard on request."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, run_id):
         self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
         self.wandb = self.tb = None
         if cfg.wandb_project:
             import wandb
 
-            self.wandb = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume="allow")
+            # run_id is kept in every checkpoint, so a resumed run continues the same wandb run
+            self.wandb = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume="allow",
+                                    id=run_id)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -328,6 +333,49 @@ class Logger:
         print(f"step {step} | {line}", flush=True)
 
 
+def rollout_metrics(drawn, stats, kept, G):
+    """M1 and A4 over every rollout drawn this step (all ranks); with R7, the kept batch's under kept/."""
+    out = {
+        "reward": drawn["rewards"].mean().item(),
+        "reward_std": drawn["rewards"].std().item(),
+        **{f"reward/{k}": v.mean().item() for k, v in drawn["components"].items() if k != "errors"},
+        "reward/errors": int(drawn["components"]["errors"].sum()),  # completions whose verifier raised
+        "acc": drawn["components"]["correct"].mean().item(),
+        "format": drawn["components"]["format"].mean().item(),
+        "response_length": drawn["lengths"].mean().item(),
+        "truncated": drawn["truncated"].mean().item(),
+        "gen_tokens": int(drawn["lengths"].sum()),
+        "group_std": stats["group_std"],
+        "effective_group_ratio": stats["effective_group_ratio"],
+        "frac_reward_zero_std": stats["frac_reward_zero_std"],
+    }
+    if kept is not None:  # R7: what the update trained on
+        out["kept/prompts"] = len(kept["rewards"]) // G
+        out["kept/reward"] = kept["rewards"].mean().item() if len(kept["rewards"]) else None
+        out["kept/acc"] = kept["components"]["correct"].mean().item() if len(kept["rewards"]) else None
+        out["drawn/prompts"] = len(drawn["rewards"]) // G
+    return out
+
+
+def end_step(cfg, step, metrics, t_step, engine, policy, test_problems, test_prompts, logger, save):
+    """M2 after the last update, the log line (written before the checkpoint, so a resume never loses it), and
+    the checkpoint when one is due. Returns the checkpoint's seconds (logged with the next step)."""
+    last = step == cfg.max_steps - 1
+    if last:
+        t0 = time.perf_counter()
+        engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
+        metrics.update(evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed)[0])
+        metrics["eval/updates"] = step + 1
+        metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
+    metrics["time/step"] = time.perf_counter() - t_step
+    if logger is not None:  # rank 0
+        logger.log(metrics)
+    t0 = time.perf_counter()
+    if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+        save(step + 1)
+    return time.perf_counter() - t0
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -339,6 +387,8 @@ def main(argv, wrap_engine=lambda engine: engine):
     rank, world, device = parallel.setup(device)  # under torchrun: join the process group; else (0, 1, device)
     if rank > 0:
         sys.stdout = open(os.devnull, "w")  # one console: rank 0's (errors still reach stderr)
+    if cfg.model not in BUILT_HERE:  # a hub name that cannot be fetched fails now, not after 10 retries
+        check_model_source(cfg.model)
     preflight(cfg)
     engine_name = ("vllm" if vllm_available() else "hf") if cfg.engine == "auto" else cfg.engine
     with parallel.local_rank0_first():  # one rank per machine builds or converts the model folder, tidies out_dir
@@ -383,16 +433,20 @@ def main(argv, wrap_engine=lambda engine: engine):
     test_prompts = tokenize_prompts(tokenizer, test_problems, cfg.max_prompt_len)
 
     start_step, beta, kl_history, nonfinite_in_a_row = 0, cfg.beta, [], 0
+    run_id = f"{random.Random().getrandbits(64):016x}"  # names the wandb run; a resume keeps the old one
     if resume_from:
         with open(os.path.join(resume_from, "trainer_state.json")) as f:
             state = json.load(f)
         start_step, beta, kl_history = state["step"], state["beta"], state["kl_history"]
         nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        run_id = state.get("run_id", run_id)
         sampler.load_state_dict(state["sampler"])
         parallel.load_optimizer(policy, optimizer, torch.load(os.path.join(resume_from, "optimizer.pt")))
         rng = torch.load(os.path.join(resume_from, "rng.pt"), weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
         if ref is not None and cfg.ref_refresh_steps:
             parallel.load_model(ref, torch.load(os.path.join(resume_from, "reference.pt")))
         for log in ("metrics.jsonl", "samples.jsonl") if rank == 0 else ():
@@ -411,7 +465,14 @@ def main(argv, wrap_engine=lambda engine: engine):
                 f.write(json.dumps(results) + "\n")
         print(json.dumps(results, indent=1))
         return policy
-    logger = Logger(cfg) if rank == 0 else None  # metrics, wandb and tensorboard: rank 0 only
+    logger = Logger(cfg, run_id) if rank == 0 else None  # metrics, wandb and tensorboard: rank 0 only
+
+    def save(updates):
+        """A checkpoint after `updates` steps, with everything a resume needs (the values when it is called)."""
+        save_checkpoint(cfg, updates, policy, ref, tokenizer, optimizer, sampler,
+                        {"beta": beta, "kl_history": kl_history, "nonfinite_in_a_row": nonfinite_in_a_row,
+                         "run_id": run_id})
+
     G, checkpoint_seconds, next_parity_warning = cfg.group_size, 0.0, 0
     share = cfg.prompts_per_step // world  # prompts per rank, each with all its G completions
     quiet = not sys.stdout.isatty()  # progress bars only on a terminal
@@ -438,6 +499,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         idx = parallel.my_slice(sampler.sample(cfg.prompts_per_step))
         batch = rollout(engine, train_problems, train_prompts, idx, sampling_seeds(cfg, step, rank * share, share),
                         cfg, temperature)
+        drawn_all = gather_batch(batch)  # every rollout drawn (all ranks): what the log and the curriculum see
         rounds, drawn = 0, cfg.prompts_per_step
         if cfg.dynamic_sampling:  # R7: keep only groups with a reward spread; refill with fresh prompts
             batch = select_groups(batch, informative_groups(batch["rewards"], G), G)
@@ -447,6 +509,7 @@ def main(argv, wrap_engine=lambda engine: engine):
                 need = share - fewest  # per rank; world * need fresh prompts in all
                 more = rollout(engine, train_problems, train_prompts, parallel.my_slice(sampler.sample(need * world)),
                                sampling_seeds(cfg, step, drawn + rank * need, need), cfg, temperature)
+                drawn_all = concat(drawn_all, gather_batch(more))
                 batch = concat(batch, select_groups(more, informative_groups(more["rewards"], G), G))
                 rounds, drawn = rounds + 1, drawn + need * world
             batch = select_groups(batch, range(min(share, len(batch["rewards"]) // G)), G)
@@ -458,17 +521,23 @@ def main(argv, wrap_engine=lambda engine: engine):
         engine.sleep()
         times["time/sleep"], memory["mem/after_sleep_gb"] = time.perf_counter() - t0, memory_gb()
         completions, rewards = batch["completions"], batch["rewards"]
+        # A4 and D2 from every group drawn, before R7's filter (as DAPO and verl log them): after it every group
+        # has a spread by construction, and the curriculum would never see an all-solved or all-failed prompt
+        stats = group_stats(drawn_all["rewards"], G, correct=drawn_all["components"]["correct"])
+        sampler.update(drawn_all["problem"][::G], stats["pass_rate"].tolist())  # D2 (a no-op for plain shuffling)
         num_seqs = int(parallel.all_sum(len(completions)))  # the global batch
         if num_seqs == 0:
             print(f"step {step}: no group with a reward spread after {rounds} refill rounds; skipping the update")
+            metrics = {"step": step, **rollout_metrics(drawn_all, stats, gather_batch(batch), G),
+                       "skipped_updates": 1, "refill_rounds": rounds, "beta": beta, "temperature": temperature,
+                       **times, **memory, **evals}
+            checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, test_problems, test_prompts,
+                                          logger, save)
             continue
-        everything = gather_batch(batch)  # all ranks' rewards, for the group statistics and the log
 
         # ---- advantages relative to each prompt's group (A1-A4)
         advantages = group_advantages(rewards, G, scale=cfg.adv_scale, std_floor=cfg.adv_std_floor,
                                       zero_std_groups=cfg.adv_zero_std_groups, clip=cfg.adv_clip)  # this rank's groups
-        stats = group_stats(everything["rewards"], G, correct=everything["components"]["correct"])
-        sampler.update(everything["problem"][::G], stats["pass_rate"].tolist())  # D2 (a no-op for plain shuffling)
 
         # ---- tensors: response mask (L3), micro-batches under the token budget (O3)
         ids, attention, mask, sampler_lp = pad_batch(completions, tokenizer.pad_token_id)
@@ -519,8 +588,9 @@ def main(argv, wrap_engine=lambda engine: engine):
                 m_mask, old = mask[mb, : L - 1], old_lp[mb, : L - 1] if old_lp is not None else lp.detach()
                 is_weights, is_metrics = None, {}
                 if cfg.is_correction != "off":  # R2: correct for sampling from vLLM's q rather than pi_old
+                    cap = cfg.is_cap if cfg.is_correction == "token" else cfg.is_seq_cap
                     is_weights, is_metrics = sampler_is_weights(old, sampler_lp[mb, : L - 1], m_mask,
-                                                                mode=cfg.is_correction, cap=cfg.is_cap)
+                                                                level=cfg.is_correction, action=cfg.is_mode, cap=cap)
                 loss, mb_metrics = grpo_loss(
                     lp, old, advantages[mb], m_mask,
                     ref_logprobs=ref_lp[mb, : L - 1] if ref_lp is not None else None, beta=beta,
@@ -554,15 +624,9 @@ def main(argv, wrap_engine=lambda engine: engine):
         sums = {k: parallel.all_sum(v) for k, v in sums.items()}
         n_tok = max(sums.get("num_tokens", 0.0), 1.0)
         kl = sums["kl"] / n_tok if "kl" in sums else None
-        rewards_all, components_all, lengths = everything["rewards"], everything["components"], everything["lengths"]
         has_parity = parallel.all_max(len(parity)) > 0
         metrics = {
-            "step": step, "reward": rewards_all.mean().item(), "reward_std": rewards_all.std().item(),
-            **{f"reward/{k}": v.mean().item() for k, v in components_all.items()},
-            "acc": components_all["correct"].mean().item(), "format": components_all["format"].mean().item(),
-            "response_length": lengths.mean().item(), "truncated": everything["truncated"].mean().item(),
-            "group_std": stats["group_std"], "effective_group_ratio": stats["effective_group_ratio"],
-            "frac_reward_zero_std": stats["frac_reward_zero_std"],
+            "step": step, **rollout_metrics(drawn_all, stats, gather_batch(batch) if cfg.dynamic_sampling else None, G),
             "loss": loss_total, "kl": kl, "grad_norm": grad_norm.item(), "lr": lr, "beta": beta,
             "temperature": temperature, "skipped_updates": skipped, "refill_rounds": rounds,
             **{k: sums[k] / n_tok for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy",
@@ -570,16 +634,17 @@ def main(argv, wrap_engine=lambda engine: engine):
             "sampler_logprob_diff_mean": parallel.all_sum(sum(s for s, _ in parity)) / max(num_tokens, 1)
             if has_parity else None,
             "sampler_logprob_diff_max": parallel.all_max(max((m for _, m in parity), default=0.0)) if has_parity else None,
-            "tokens": int(tokens), "pad_frac": 1 - tokens / padded, "gen_tokens": int(lengths.sum()),
+            "tokens": int(tokens), "pad_frac": 1 - tokens / padded,
             "mem/peak_gb": peak_memory_gb(),
             "time/checkpoint": checkpoint_seconds, **times, **memory, **evals,
         }
         gap = metrics["sampler_logprob_diff_mean"]
-        if gap is not None and gap > cfg.parity_warn and step >= next_parity_warning:  # R2, at most every 10 steps
+        if gap is not None and gap > cfg.parity_warn_eff and step >= next_parity_warning:  # R2, at most every 10 steps
             next_parity_warning = step + 10
-            print(f"warning: step {step}: sampler vs trainer logprob gap {gap:.2e} > parity_warn={cfg.parity_warn}; "
+            print(f"warning: step {step}: sampler vs trainer logprob gap {gap:.2e} > {cfg.parity_warn_eff} "
+                  f"(parity_warn, {cfg.dtype}); "
                   "usual causes: stale weights (a push skipped, or weights reloaded from disk), a temperature "
-                  "mismatch, top_p/top_k < 1 (the trainer does not truncate), or dtype (bf16 sampler)")
+                  "mismatch, or top_p/top_k < 1 (the trainer does not truncate)")
         if cfg.adaptive_kl and kl is not None:  # F2: every kl_window steps, scale beta by the mean token KL
             kl_history.append(kl)
             if len(kl_history) >= cfg.kl_window:
@@ -596,21 +661,9 @@ def main(argv, wrap_engine=lambda engine: engine):
                         "components": {k: v[r].item() for k, v in batch["components"].items()},
                         "weights": cfg.reward_weights, "last_number": cfg.math_last_number}) + "\n")
 
-        # ---- eval at the end (M2), log, checkpoint (the line is logged first, so a resume never loses it)
-        last = step == cfg.max_steps - 1
-        if last:
-            t0 = time.perf_counter()
-            engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
-            metrics.update({**evaluate(engine, test_problems, test_prompts, cfg, seed=cfg.seed)[0], "eval/updates": step + 1})
-            metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
-        metrics["time/step"] = time.perf_counter() - t_step
-        if rank == 0:
-            logger.log(metrics)
-        t0 = time.perf_counter()
-        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            save_checkpoint(cfg, step + 1, policy, ref, tokenizer, optimizer, sampler,
-                            {"beta": beta, "kl_history": kl_history, "nonfinite_in_a_row": nonfinite_in_a_row})
-        checkpoint_seconds = time.perf_counter() - t0  # logged with the next step
+        # ---- eval at the end (M2), log, checkpoint
+        checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, test_problems, test_prompts,
+                                      logger, save)
     return policy
 
 

@@ -197,7 +197,7 @@ def test_config_dir_has_no_init():
 def test_every_run_file_loads_and_passes_preflight(path):
     with open(path) as f:
         assert f.readline().startswith("# "), "a run file starts with a comment saying what it trains"
-    cfg = load_config(path)
+    cfg = load_config(path, ["--device_memory_gb=80"])  # planned against an 80 GB GPU, whatever this machine has
     preflight(cfg)
     config.save_config(cfg, os.devnull)
 
@@ -244,3 +244,56 @@ def test_vllm_tensor_parallel_needs_torchrun_and_a_multiple_of_ranks(monkeypatch
         load_config(overrides=["--vllm_tensor_parallel=3", "--batch_size=32"])
     with pytest.raises(ConfigError, match="vllm_tensor_parallel"):
         load_config(overrides=["--vllm_tensor_parallel=2", "--engine=hf"])
+
+
+# ---------------------------------------------------------------- review fixes: settings that mislead
+
+
+def test_a_gpu_sized_run_on_a_cpu_asks_for_device_cpu(monkeypatch):
+    monkeypatch.setattr(config, "device_memory_gib", lambda cfg: None)  # a machine without a GPU
+    path = os.path.join(ROOT, "config", "countdown_3b.py")
+    with pytest.raises(ConfigError, match=r"needs ~\d+ GiB: it is sized for a GPU.*pass --device=cpu"):
+        preflight(load_config(path))
+    assert preflight(load_config(path, ["--device=cpu"]))["weights"] > 11  # asked for explicitly: it may start
+    assert preflight(load_config())["weights"] < 1  # the default run is CPU-sized
+
+
+def test_ref_refresh_needs_a_reference():
+    with pytest.raises(ConfigError, match="ref_refresh_steps=5 refreshes the reference, but beta=0"):
+        load_config(overrides=["--ref_refresh_steps=5", "--beta=0"])
+    assert load_config(overrides=["--ref_refresh_steps=5", "--beta=0.01"]).ref_refresh_steps == 5
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--ratio_level=sequence", "--num_iterations=2", "--clip_eps=3e-4", "--clip_eps_high=4e-4"],
+         "weighs each completion by its length"),
+        (["--ratio_level=sequence", "--num_iterations=2", "--loss_agg=seq-mean"], "nothing is clipped"),
+        (["--ratio_level=sequence", "--loss_agg=seq-mean", "--clip_eps=3e-4"], "equals the token-level one"),
+        (["--top_p=0.9"], "renormalised over the kept tokens"),
+        (["--top_k=20"], "renormalised over the kept tokens"),
+    ],
+)
+def test_settings_that_mislead_warn(overrides, message):
+    with pytest.warns(UserWarning, match=message):
+        load_config(overrides=overrides)
+
+
+def test_gspo_as_the_paper_runs_it_does_not_warn():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(overrides=["--ratio_level=sequence", "--loss_agg=seq-mean", "--clip_eps=3e-4",
+                               "--clip_eps_high=4e-4", "--num_iterations=2"])
+        load_config()  # nor do the defaults
+
+
+def test_is_correction_settings():
+    cfg = load_config(overrides=["--is_correction=sequence", "--is_mode=mask", "--is_seq_cap=5"])
+    assert (cfg.is_correction, cfg.is_mode, cfg.is_seq_cap) == ("sequence", "mask", 5.0)
+    with pytest.raises(ConfigError, match="is_mode='clip'; choose one of"):
+        load_config(overrides=["--is_mode=clip"])
+    with pytest.raises(ConfigError, match="is_seq_cap=1.0 must be > 1"):
+        load_config(overrides=["--is_seq_cap=1"])
