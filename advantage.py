@@ -21,7 +21,7 @@ def group_advantages(rewards, group_size, *, scale="group", std_floor=1e-4, zero
     rewards: (N,) float, N = num_prompts * group_size, groups contiguous.
     scale:   "group" -> (r - mean) / max(std, std_floor)   (A1, the GRPO paper's z-score)
              "none"  -> r - mean                           (A1, Dr. GRPO: no std division)
-    zero_std_groups: groups whose std < std_floor get advantage 0 (A2, 003's variant).
+    zero_std_groups: groups whose std < std_floor get advantage 0 (A2, a common variant).
     clip:    clamp to [-clip, clip] after normalising; 0 = off (A3).
     Returns (N,) float32 (float64 for float64 rewards).
 
@@ -52,8 +52,8 @@ def group_stats(rewards, group_size, correct=None, eps=1e-4):
 
     rewards: (N,) groups contiguous.  correct: (N,) 1/0 (or None: use rewards, right for 0/1 rewards).
     effective_group_ratio: share of groups whose reward std > eps, i.e. that carry any signal;
-        under ~0.3 the prompts are too easy or too hard for the policy (003).
-    frac_reward_zero_std: 1 - effective_group_ratio (TRL's name for it, 002).
+        under ~0.3 the prompts are too easy or too hard for the policy.
+    frac_reward_zero_std: 1 - effective_group_ratio (TRL's name for it).
     pass_rate: (P,) share of correct completions in each group.
 
     Example, G = 2, rewards [1, 0, 1, 1]: effective 0.5, zero-std 0.5, pass_rate [0.5, 1.0].

@@ -139,9 +139,10 @@ def update_only(argv, steps, warmup, micro_batches):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import parallel
-    from config import SHAPES, config_from_argv, estimate_memory
+    from config import config_from_argv
     from grpo import forward_logprobs, optimizer_step
     from loss import grpo_loss
+    from preflight import SHAPES, estimate_memory
 
     cfg = config_from_argv(argv)
     rank, world, device = parallel.setup("cuda" if torch.cuda.is_available() else "cpu")
@@ -209,8 +210,8 @@ def main():
     results = [summarise(e, run_engine(e, args.config, overrides, args.steps, args.warmup))
                for e in args.engines.split(",")]
     if len(results) == 2:
-        print(f"\n{results[0]['engine']} generates {results[0]['gen_tokens_per_s'] / results[1]['gen_tokens_per_s']:.1f}x "
-              f"the tokens/s of {results[1]['engine']}")
+        ratio = results[0]["gen_tokens_per_s"] / results[1]["gen_tokens_per_s"]
+        print(f"\n{results[0]['engine']} generates {ratio:.1f}x the tokens/s of {results[1]['engine']}")
     for r in results:
         print(json.dumps(r))
 

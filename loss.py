@@ -14,7 +14,6 @@ import math
 
 import torch
 
-
 # ---------------------------------------------------------------- token logprobs (L6, R5)
 
 
@@ -133,7 +132,7 @@ def grpo_loss(
     eps_high = clip_eps_high or clip_eps
     adv = advantages.to(logprobs.dtype)[:, None]  # (B, 1): one advantage for all tokens of a completion
     # Masked positions are zeroed *before* exp, so padding values (even -inf) cannot make a NaN.
-    # The ratio is new / old policy. (002's loss divides by the reference instead: wrong.)
+    # The ratio is new / old policy. (Some blog code divides by the reference instead: wrong.)
     log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
     if ratio_level == "sequence":
         seq_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)  # (B,) log of the geometric mean

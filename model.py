@@ -9,11 +9,13 @@ import shutil
 
 import torch
 
-from config import SHAPES, ConfigError
+from config import ConfigError
+from preflight import SHAPES
 
 TINY_CORPUS = [
     "Write only digits, like 4 2 7: 1 2 3 4 5 6 7 8 9 0 10 42 99",
-    "Using the numbers [1, 2, 3], create an equation that equals 6. <think> 1 + 2 = 3 </think><answer>(1 + 2) * 3</answer>",
+    "Using the numbers [1, 2, 3], create an equation that equals 6. "
+    "<think> 1 + 2 = 3 </think><answer>(1 + 2) * 3</answer>",
     "What is 12 + 30? <think> add </think><answer>\\boxed{42}</answer> user assistant system",
 ]
 TINY_CHAT_TEMPLATE = (

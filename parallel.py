@@ -20,9 +20,13 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -144,7 +148,8 @@ def wrap(model, mode, dtype, trainable=True):
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # HF names its decoder layer class here
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ConfigError(f"FSDP: no decoder layers ({layer_classes}) found in {type(model).__name__}; use --parallel=ddp")
+        raise ConfigError(f"FSDP: no decoder layers ({layer_classes}) found in {type(model).__name__}; "
+                          "use --parallel=ddp")
     for layer in layers:
         fully_shard(layer, mp_policy=mp)
     # the root group (embeddings, final norm, head) on the HF model itself: with LoRA, peft's generate

@@ -67,7 +67,8 @@ def has_format(text):
 # ---------------------------------------------------------------- Countdown (W1)
 
 COUNTDOWN_CHARS = re.compile(r"[0-9+\-*/() ]+")  # ASCII only: \d would also match unicode digits
-COUNTDOWN_OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__, ast.Div: Fraction.__truediv__}
+COUNTDOWN_OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__,
+                 ast.Div: Fraction.__truediv__}
 
 
 def _countdown_eval(node, numbers):
@@ -304,7 +305,8 @@ def _sandbox_prefix():
     drop = "exec setpriv --reuid=65534 --regid=65534 --clear-groups" if os.geteuid() == 0 else "exec"
     # --kill-child + --pid: when the sandbox's first process dies, the kernel kills all it forked
     inner = f'for d in /tmp /var/tmp /dev/shm; do mount -t tmpfs -o size=64m tmpfs $d; done; cd /tmp && {drop} "$@"'
-    prefix = ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", inner, "sandbox"]
+    prefix = ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--mount-proc",
+              "sh", "-c", inner, "sandbox"]
     works = subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0
     if not works:
         print("warning: unshare is not permitted here; code rewards run without network/PID isolation")
@@ -369,7 +371,7 @@ def code_reward(text, tests, timeout=5.0):
 
 
 def digits_reward(text):
-    """A reward a randomly initialised model can climb (config/tiny.py): the share of non-space characters that are digits."""
+    """A reward a random model can climb (config/tiny.py): the share of non-space characters that are digits."""
     chars = [c for c in text if not c.isspace()]
     share = sum(c in "0123456789" for c in chars) / len(chars) if chars else 0.0
     return {"format": float(has_format(text)), "parsed": float(bool(chars)), "correct": share}
@@ -418,7 +420,7 @@ def shape_reward(c, length, *, format_weight=0.1, correct_weight=1.0, wrong_pena
 
     W2: correct_weight * correct + format_weight * format; a parseable but wrong answer adds
         wrong_penalty (small, e.g. -0.1), an unparseable one unparsed_penalty (larger, e.g. -0.5).
-        (002 gives 0.4 when the answer tag is missing, rewarding the missing answer; not here.)
+        (A common blog reward gives 0.4 when the answer tag is missing, rewarding the missing answer; not here.)
     W3: past length_soft_limit tokens, -length_penalty per length_penalty_tokens started;
         below length_min tokens the reward is 0. Both 0 = off.
     Example: correct, well formatted, 100 tokens, defaults -> 1.1.

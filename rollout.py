@@ -20,7 +20,6 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-
 import torch
 from tqdm import tqdm
 
@@ -59,7 +58,7 @@ def vllm_available():
 
 
 class VLLMEngine:
-    """A colocated vLLM engine in this process: woken and given the policy's weights before every generation (R1, R2)."""
+    """A colocated vLLM engine in-process, woken and given the policy's weights before every generation (R1, R2)."""
 
     def __init__(self, path, cfg, device):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weight pushes are plain tensor copies
@@ -178,7 +177,8 @@ class HFEngine:
                                top_p=top_p if not greedy else None,
                                top_k=max(top_k, 0),  # 0 = off; None would mean transformers' default of 50
                                max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.stop,
-                               pad_token_id=self.tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True)
+                               pad_token_id=self.tokenizer.pad_token_id, output_scores=True,
+                               return_dict_in_generate=True)
         was_training, model_defaults = self.policy.training, self.hf_model.generation_config
         self.policy.eval()
         # transformers fills every setting left unset from the model's generation_config (Qwen2.5-Instruct ships
@@ -187,8 +187,8 @@ class HFEngine:
         try:
             # One prompt at a time: its n rows share the prompt, so there is no padding, and the positions
             # match the trainer's exactly (left padding would shift them).
-            groups = [self._group(p, seed, gen, greedy)
-                      for p, seed in tqdm(list(zip(prompts, seeds)), desc="generate", disable=not progress, leave=False)]
+            pairs = tqdm(list(zip(prompts, seeds)), desc="generate", disable=not progress, leave=False)
+            groups = [self._group(p, seed, gen, greedy) for p, seed in pairs]
         finally:
             self.hf_model.generation_config = model_defaults
             self.policy.train(was_training)

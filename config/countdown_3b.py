@@ -1,9 +1,9 @@
 # Qwen2.5-3B-Instruct on the Countdown game (SPEC D1) with GRPO, on one 80 GB GPU.
 #   python grpo.py --config config/countdown_3b.py
 #   torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py   # 8 GPUs, FSDP2, 4 prompts each
-# Settings follow seed 002's ms-swift run (G=8, beta=0.001, 1024-token completions, grad clip 1.0)
-# with TinyZero's lr of 1e-6 (002 uses 5e-7). Expect the reward to climb within ~100 steps as the
-# format is learned, then accuracy to rise slowly; 002 reports 75% -> 95% test accuracy.
+# Settings follow ms-swift's GRPO Countdown recipe (G=8, beta=0.001, 1024-token completions, grad clip 1.0)
+# with TinyZero's lr of 1e-6 (the recipe uses 5e-7). Expect the reward to climb within ~100 steps as the
+# format is learned, then accuracy to rise slowly; the recipe reports 75% -> 95% test accuracy.
 model = "Qwen/Qwen2.5-3B-Instruct"
 out_dir = "out/countdown_3b"
 max_steps = 300

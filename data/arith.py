@@ -54,7 +54,8 @@ def _fractions(r, m):
 
 def _cookies(r, m):
     a, b, c = r.randint(2, 9), r.randint(6, 24), r.randint(1, 12)
-    return f"A baker makes {a} trays of {b} cookies each and sells {c} cookies. How many cookies are left?", a * b - c, None
+    question = f"A baker makes {a} trays of {b} cookies each and sells {c} cookies. How many cookies are left?"
+    return question, a * b - c, None
 
 
 def _area(r, m):
@@ -68,7 +69,7 @@ KINDS = {"add": _add, "sub": _sub, "order_of_ops": _order_of_ops, "linear": _lin
 
 
 def math_problems(split, n, seed=0, kinds=tuple(KINDS), max_number=99):
-    """The first n distinct problems of `split` from the stream seeded by `seed`; kinds and max_number set difficulty."""
+    """The first n distinct problems of `split` from the stream seeded by `seed`; kinds and max_number: difficulty."""
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown math kinds {sorted(unknown)}; choose from {sorted(KINDS)}")

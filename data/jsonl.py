@@ -31,7 +31,8 @@ def _parse_line(path, lineno, line):
     if "tests" in rec:
         tests = rec["tests"]
         if not isinstance(tests, list) or not tests or not all(isinstance(t, (str, dict)) for t in tests):
-            raise DataError(f"{where}: \"tests\" must be a non-empty list of assert strings or {{call, expected}} objects")
+            raise DataError(f"{where}: \"tests\" must be a non-empty list of assert strings or "
+                            "{call, expected} objects")
         return {"task": "code", "prompt": prompt, "tests": tests, "id": str(rec.get("id", lineno))}
     answer = rec.get("answer")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):

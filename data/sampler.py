@@ -44,7 +44,7 @@ class CurriculumSampler:
     A prompt's pass rate is an exponential moving average of its groups' pass rates (weight `alpha`
     on the newest). easy: rate > easy_above; hard: rate < hard_below; medium otherwise, and a prompt
     never seen counts as medium. The hard weight grows linearly from 0 to its full value over
-    `ramp_steps` calls (000 sec. 3.8: jumping straight to mostly hard prompts destabilises training).
+    `ramp_steps` calls (common practice: jumping straight to mostly hard prompts destabilises training).
     """
 
     def __init__(self, num_prompts, seed, *, easy_above=0.8, hard_below=0.2, weights=(1, 2, 3), ramp_steps=100,

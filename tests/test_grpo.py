@@ -182,7 +182,8 @@ def test_every_loop_toggle_runs_and_shows_its_effect(tmp_path):
     grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
                "--max_steps=6", "--num_iterations=2",  # L7: a second epoch sees ratios != 1
                "--temperature=1.0", "--temperature_end=0.5",  # R4
-               "--beta=0.01", "--adaptive_kl=true", "--kl_window=2", "--kl_high=1e-9", "--kl_low=0",  # F2: KL > high -> x 1.2
+               # F2: KL > high -> x 1.2
+               "--beta=0.01", "--adaptive_kl=true", "--kl_window=2", "--kl_high=1e-9", "--kl_low=0",
                "--ref_offload=true", "--ref_refresh_steps=3",  # F1
                "--dynamic_sampling=true", "--mask_truncated=true",  # R7, R6
                "--curriculum=true", "--curriculum_ramp_steps=2",  # D2
@@ -210,7 +211,8 @@ def test_every_loop_toggle_runs_and_shows_its_effect(tmp_path):
     # policy had moved off the base (a KL > 0), so the reference is no longer the base model
     from safetensors.torch import load_file
 
-    ref, policy = torch.load(tmp_path / "ckpt_000006" / "reference.pt"), load_file(tmp_path / "ckpt_000006" / "model.safetensors")
+    ref = torch.load(tmp_path / "ckpt_000006" / "reference.pt")
+    policy = load_file(tmp_path / "ckpt_000006" / "model.safetensors")
     assert all(torch.equal(ref[k], policy[k]) for k in policy) and any(m["kl"] > 0 for m in metrics)
     # W3: every completion past 8 tokens lost at least 0.05, so no reward reaches the unshaped maximum
     samples = read_jsonl(tmp_path / "samples.jsonl")

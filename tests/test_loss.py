@@ -361,7 +361,7 @@ def test_adaptive_kl_beta():
     assert adaptive_kl_beta(0.01, 0.1) == pytest.approx(0.012)  # above 0.08: x 1.2
     assert adaptive_kl_beta(0.01, 0.005) == pytest.approx(0.008)  # below 0.01: x 0.8
     assert adaptive_kl_beta(0.01, 0.03) == 0.01  # in the band: unchanged
-    # 002's thresholds as settings
+    # other published thresholds, as settings
     assert adaptive_kl_beta(0.01, 0.09, high=0.1, low=0.01) == 0.01
 
 

