@@ -368,10 +368,10 @@ def test_a_temperature_mismatch_is_caught_by_the_parity_metric(tmp_path, capsys,
 
 @requires_vllm
 def test_bf16_rounding_alone_does_not_warn(tmp_path, capsys):
-    """R2: a bf16 sampler beside the fp32-master trainer differs by rounding only; above the fp32 threshold, below
-    the bf16 one, so a run with nothing wrong does not warn."""
+    """R2: a bf16 sampler beside the fp32-master trainer differs by rounding only: far above fp32's ~2e-7 (measured
+    6e-4..1.1e-3 on the tiny model), far below the bf16 bound, so a run with nothing wrong does not warn."""
     grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=vllm",
                "--max_steps=3", "--eval_every=0", "--dtype=bfloat16"])
     gaps = [m["sampler_logprob_diff_mean"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
-    assert all(config.PARITY_WARN["float32"] < g < config.PARITY_WARN["bfloat16"] for g in gaps), gaps
+    assert all(1e-4 < g < config.PARITY_WARN["bfloat16"] for g in gaps), gaps
     assert "warning: step" not in capsys.readouterr().out
