@@ -1,14 +1,18 @@
 """How fast the verifiers score (SPEC W1): python bench_rewards.py
 
 Scores a batch of 1,000 realistic Countdown completions (right, wrong, malformed, long rambling)
-several times and prints the median, plus the per-call cost of the math and code verifiers.
+several times through the task (tasks/countdown.py) and prints the median, in this process and in
+forked children under reward_timeout (side by side: the deadline's cost), plus the per-call cost of
+the math and code verifiers.
 """
 
 import statistics
 import time
 
+from config import load_config
 from data.countdown import countdown_problems
-from rewards import code_reward, math_reward, score_batch
+from rewards import code_reward, math_reward
+from task import load_task, score
 
 
 def timed(fn, repeats):
@@ -31,8 +35,13 @@ def main():
                   ramble * 3]  # no answer, ~4 KB
         batch += [p] * 4
     lengths = [len(t) // 4 for t in texts]
-    seconds = timed(lambda: score_batch(texts, batch, lengths), repeats=7)
-    print(f"countdown: 1000 completions in {seconds * 1e3:.1f} ms ({seconds * 1e6 / 1000:.1f} us each), one core")
+    for label, overrides in (("in this process (reward_timeout=0)", ["--reward_timeout=0"]),
+                             ("in a forked child (reward_timeout=10)", []),
+                             ("in 2 forked children (reward_workers=2)", ["--reward_workers=2"])):
+        cfg = load_config(overrides=["--task=countdown", *overrides])
+        task = load_task(cfg)
+        seconds = timed(lambda: score(task, texts, batch, lengths, cfg), repeats=7)
+        print(f"countdown, {label}: 1000 completions in {seconds * 1e3:.1f} ms ({seconds * 1e6 / 1000:.1f} us each)")
     math_text = "<think>w</think><answer>\\boxed{\\frac{3}{4}}</answer>"
     print(f"math, exact path: {timed(lambda: math_reward(math_text, '0.75'), 200) * 1e6:.0f} us per completion")
     sym_text = "<think>w</think><answer>\\boxed{x^2+2x+1}</answer>"

@@ -45,9 +45,13 @@ class Config:
     tensorboard: bool = False  # M1: also write tensorboard events to out_dir/tb
 
     # ---- task and data (D1-D3) ----
-    task: str = "math"  # D1: "countdown" | "math" (data/arith.py) | "digits" (smoke tests) | your own .jsonl
+    # a task file defines problems(split, n, seed), prompt(problem), reward(completion, problem) (task.py)
+    task: str = "math"  # D1: a task in tasks/ (countdown, math, digits, code, gsm8k, ...), a .py file, or a data file
+    data_path: str = ""  # D1: the task's problems from a dataset: .jsonl/.parquet/.csv, a datasets folder or hub name
+    data_name: str = ""  # D1: the hub dataset's config name (GSM8K: "main"); "" = its default
+    data_columns: str = ""  # D1: rename dataset columns, "old:new,old:new" (e.g. "question:prompt"); "" = as they are
     data_seed: int = 0  # D1: seeds the problem generators; fixes the train/test problems across runs
-    train_size: int = 500  # generated training problems (countdown, math)
+    train_size: int = 500  # training problems: generated, or the first of the dataset's train split
     test_size: int = 60  # held-out problems for eval (M2); the splits never overlap (data/split.py)
     countdown_numbers: tuple = (3, 4)  # D1: how many numbers a problem has, drawn per problem
     countdown_max_number: int = 99  # D1: numbers are drawn from 1..countdown_max_number
@@ -70,7 +74,10 @@ class Config:
     length_penalty: float = 0.05  # W3: subtracted per length_penalty_tokens started past the soft limit
     length_penalty_tokens: int = 32  # W3: the step of the length penalty
     length_min: int = 0  # W3: completions shorter than this many tokens score 0; 0 = off
-    reward_workers: int = 0  # score in this many threads (for the code verifier, which waits on sandboxes); 0 = serial
+    # TRL reward_weights; "format", "correct" and "parsed" have the settings above
+    reward_weights: str = ""  # W2: weights of the task's own components, "name:weight,..."; unlisted = the task's or 1
+    reward_timeout: float = 10.0  # a completion whose reward runs longer scores 0 (reward/errors); 0 = no deadline
+    reward_workers: int = 0  # score in this many child processes (the code verifier waits on sandboxes); 0 = one
 
     # ---- batch (R3, O3) ----
     group_size: int = 8  # R3: G completions per prompt (TRL num_generations, verl rollout.n); >= 2, warn < 4
@@ -158,7 +165,9 @@ class Config:
     prompts_per_step: int = field(default=0, init=False)  # batch_size // group_size
     clip_eps_high_eff: float = field(default=0.0, init=False)  # clip_eps_high, or clip_eps when that is 0
     parity_warn_eff: float = field(default=0.0, init=False)  # parity_warn, or PARITY_WARN[dtype] when that is 0
-    reward_weights: dict = field(default_factory=dict, init=False)  # the W2-W3 settings, as rewards.shape_reward kwargs
+    shaping: dict = field(default_factory=dict, init=False)  # the W2-W3 settings, as rewards.shape_reward kwargs
+    component_weights: dict = field(default_factory=dict, init=False)  # reward_weights as {name: weight}
+    data_column_map: dict = field(default_factory=dict, init=False)  # data_columns as {old: new}
 
 
 # R2: the mean |sampler - trainer| logprob gap above which a run warns, by compute dtype. In fp32 the two sides agree
@@ -167,7 +176,6 @@ class Config:
 # 0.7 (README), so the bf16 bound sits above that; a temperature mismatch or weights several steps stale exceed it.
 PARITY_WARN = {"float32": 1e-3, "bfloat16": 0.1}
 
-TASKS = ("countdown", "math", "digits")
 REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "length_soft_limit",
                "length_penalty", "length_penalty_tokens", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
@@ -193,11 +201,30 @@ def derive(cfg):
     """Compute the derived values, once, right after loading."""
     cfg.prompts_per_step = cfg.batch_size // cfg.group_size
     cfg.clip_eps_high_eff = cfg.clip_eps_high or cfg.clip_eps
-    cfg.reward_weights = {k: getattr(cfg, k) for k in REWARD_KEYS}
+    cfg.shaping = {k: getattr(cfg, k) for k in REWARD_KEYS}
+    cfg.component_weights = {k: float(v) for k, v in pairs("reward_weights", cfg.reward_weights).items()}
+    cfg.data_column_map = pairs("data_columns", cfg.data_columns)
     if cfg.dtype == "auto":  # O5: resolved once here, so the engine, the trainer and pre-flight agree
         cfg.dtype = "bfloat16" if on_gpu(cfg) else "float32"
     cfg.parity_warn_eff = cfg.parity_warn or PARITY_WARN[cfg.dtype]
     return cfg
+
+
+def pairs(name, text):
+    """'a:1,b:2' -> {"a": "1", "b": "2"}; anything else is a ConfigError naming the setting."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition(":")
+        if not sep or not key.strip() or not value.strip():
+            raise ConfigError(f"{name}={text!r} must look like key:value,key:value")
+        out[key.strip()] = value.strip()
+    if name == "reward_weights":
+        for key, value in out.items():
+            try:
+                float(value)
+            except ValueError:
+                raise ConfigError(f"reward_weights: {key}:{value} is not a number") from None
+    return out
 
 
 def on_gpu(cfg):
@@ -320,6 +347,18 @@ def save_config(cfg, path):
         json.dump(dataclasses.asdict(cfg), f, indent=2)
 
 
+def load_saved(path):
+    """The Config a run saved with save_config (e.g. out/run/config.json), derived again."""
+    with open(path) as f:
+        saved = json.load(f)
+    cfg = Config()
+    for f in dataclasses.fields(Config):
+        # a dict under a settable name is an older version's derived value
+        if f.init and f.name in saved and not isinstance(saved[f.name], dict):
+            setattr(cfg, f.name, _coerce(f.name, saved[f.name], f.default))
+    return derive(cfg)
+
+
 # ---------------------------------------------------------------- pre-flight (O6)
 
 
@@ -353,8 +392,11 @@ def validate(cfg):
         raise ConfigError(f"vllm_tensor_parallel={tp}: use a multiple of it as the number of ranks (now {world})")
     if world > 1 and cfg.parallel == "fsdp" and cfg.ref_offload:
         raise ConfigError("ref_offload is for one process; under FSDP the reference is already sharded over ranks")
-    if cfg.task not in TASKS and not (cfg.task.endswith(".jsonl") and os.path.isfile(cfg.task)):
-        raise ConfigError(f"task={cfg.task!r}: choose one of {TASKS} or the path of an existing .jsonl file")
+    from task import task_file  # a task that names no file fails here; its functions are checked on import
+
+    task_file(cfg)
+    if cfg.data_path and (cfg.task.endswith((".jsonl", ".parquet", ".csv")) or os.path.isdir(cfg.task)):
+        raise ConfigError(f"task={cfg.task!r} is a dataset and data_path={cfg.data_path!r} another; set one of them")
     if cfg.ref_refresh_steps and cfg.beta == 0:
         raise ConfigError(f"ref_refresh_steps={cfg.ref_refresh_steps} refreshes the reference, but beta=0 means there "
                           "is none; set beta > 0 (e.g. 0.001) or ref_refresh_steps=0 (F1)")
@@ -389,7 +431,7 @@ def validate(cfg):
     for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay", "grad_clip", "lora_rank",
                  "length_soft_limit", "length_min", "curriculum_ramp_steps", "save_every", "eval_every",
                  "sample_every", "sample_groups", "temperature_end", "dynamic_sampling_rounds", "ref_refresh_steps",
-                 "reward_workers"):
+                 "reward_workers", "reward_timeout"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
     for name in ("is_cap", "is_seq_cap"):
@@ -438,8 +480,10 @@ if __name__ == "__main__":
         for f in dataclasses.fields(cfg):
             print(f"{f.name:24s} = {getattr(cfg, f.name)!r}")
         from preflight import preflight  # the memory estimate lives beside the model shapes it reads
+        from task import load_task
 
         preflight(cfg)
+        load_task(cfg)  # the task file defines what a run needs
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     print("pre-flight ok")

@@ -47,27 +47,15 @@ from tqdm import tqdm
 import parallel
 from advantage import group_advantages, group_stats
 from config import ConfigError, config_from_argv, save_config
+from data.files import DataError
 from data.sampler import CurriculumSampler, PromptSampler
-from data.tasks import chat_messages, load_problems
 from loss import adaptive_kl_beta, grpo_loss, logprobs_and_entropy, lr_at, sampler_is_weights
 from model import BUILT_HERE, check_model_source, load_policy, model_path, push_weights_iter
 from preflight import preflight
-from rewards import score_batch
 from rollout import HFEngine, VLLMEngine, vllm_available
+from task import check_task_output, load_problems, load_task, score, tokenize_prompts
 
-# ---------------------------------------------------------------- prompts and seeds
-
-
-def tokenize_prompts(tokenizer, problems, max_prompt_len):
-    """Chat-formatted prompt token ids; a prompt longer than max_prompt_len is an error, never cut."""
-    out = []
-    for p in problems:
-        text = tokenizer.apply_chat_template(chat_messages(p), add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-        if len(ids) > max_prompt_len:
-            raise ConfigError(f"prompt {p['id']} has {len(ids)} tokens > max_prompt_len={max_prompt_len}; raise it")
-        out.append(ids)
-    return out
+# ---------------------------------------------------------------- seeds
 
 
 def prompt_seeds(base, first, count):
@@ -134,8 +122,8 @@ class Rollouts:
                         gather(self.truncated), self.score_seconds)
 
 
-def generate_and_score(engine, problems, prompt_ids, idx, seeds, cfg, temperature):
-    """G completions for each prompt index in idx, scored by the task's verifier (W1)."""
+def generate_and_score(engine, task, problems, prompt_ids, idx, seeds, cfg, temperature):
+    """G completions for each prompt index in idx, scored by the task's reward (W1)."""
     groups = engine.generate([prompt_ids[i] for i in idx], cfg.group_size, seeds=seeds, temperature=temperature,
                              top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
                              progress=sys.stdout.isatty())  # a progress bar on a terminal
@@ -145,8 +133,7 @@ def generate_and_score(engine, problems, prompt_ids, idx, seeds, cfg, temperatur
     problem = [i for i in idx for _ in range(cfg.group_size)]
     lengths = [len(c.completion_ids) for c in completions]
     start = time.perf_counter()
-    rewards, components = score_batch([c.text for c in completions], [problems[i] for i in problem], lengths,
-                                      cfg.math_last_number, cfg.reward_workers, **cfg.reward_weights)
+    rewards, components = score(task, [c.text for c in completions], [problems[i] for i in problem], lengths, cfg)
     return Rollouts(problem, completions, rewards, components, torch.tensor(lengths, dtype=torch.float),
                     torch.tensor([float(c.truncated) for c in completions]), time.perf_counter() - start)
 
@@ -429,15 +416,21 @@ def memory_gb():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+def mean_of(components, name):
+    """The mean of a reward component, or None when the task does not report it."""
+    return components[name].mean().item() if name in components else None
+
+
 def rollout_metrics(drawn, stats, kept, G):
     """M1 and A4 over every rollout drawn this step (all ranks); with R7, the kept batch's under kept/."""
     out = {
         "reward": drawn.rewards.mean().item(),
         "reward_std": drawn.rewards.std().item(),
-        **{f"reward/{k}": v.mean().item() for k, v in drawn.components.items() if k != "errors"},
-        "reward/errors": int(drawn.components["errors"].sum()),  # completions whose verifier raised
-        "acc": drawn.components["correct"].mean().item(),
-        "format": drawn.components["format"].mean().item(),
+        **{f"reward/{k}": v.mean().item() for k, v in drawn.components.items() if k not in ("errors", "timeouts")},
+        "reward/errors": int(drawn.components["errors"].sum()),  # completions whose reward raised or hung
+        "reward/timeouts": int(drawn.components["timeouts"].sum()),  # of those, the ones past reward_timeout
+        "acc": mean_of(drawn.components, "correct"),  # None for a task without a notion of correct
+        "format": mean_of(drawn.components, "format"),
         "response_length": drawn.lengths.mean().item(),
         "truncated": drawn.truncated.mean().item(),
         "gen_tokens": int(drawn.lengths.sum()),
@@ -448,7 +441,7 @@ def rollout_metrics(drawn, stats, kept, G):
     if kept is not None:  # R7: what the update trained on
         out["kept/prompts"] = len(kept) // G
         out["kept/reward"] = kept.rewards.mean().item() if len(kept) else None
-        out["kept/acc"] = kept.components["correct"].mean().item() if len(kept) else None
+        out["kept/acc"] = mean_of(kept.components, "correct") if len(kept) else None
         out["drawn/prompts"] = len(drawn) // G
     return out
 
@@ -492,7 +485,7 @@ def warn_on_parity(metrics, cfg, step, next_warning):
 
 
 def dump_samples(cfg, step, batch, advantages, problems):
-    """W6: every sample_every steps, a few of rank 0's whole groups to samples.jsonl (for rewards.py --replay)."""
+    """W6: every sample_every steps, a few of rank 0's whole groups to samples.jsonl (rewards.py --replay re-scores)."""
     if not cfg.sample_every or step % cfg.sample_every or parallel.rank() > 0:
         return
     with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
@@ -501,8 +494,7 @@ def dump_samples(cfg, step, batch, advantages, problems):
             f.write(json.dumps({
                 "step": step, "problem": problems[batch.problem[r]], "completion": c.text,
                 "reward": batch.rewards[r].item(), "advantage": advantages[r].item(), "length": len(c.completion_ids),
-                "components": {k: v[r].item() for k, v in batch.components.items()},
-                "weights": cfg.reward_weights, "last_number": cfg.math_last_number}) + "\n")
+                "components": {k: v[r].item() for k, v in batch.components.items()}}) + "\n")
 
 
 class Logger:
@@ -540,33 +532,36 @@ class Logger:
 # ---------------------------------------------------------------- eval (M2)
 
 
-def evaluate(engine, problems, prompt_ids, cfg, seed):
+def evaluate(engine, task, problems, prompt_ids, cfg, seed):
     """pass@1 with greedy decoding, pass@k from k samples at the training temperature, format, length.
 
-    parsed: the share of greedy answers given in a tag or a box (what unparsed_penalty rewards).
-    Returns (metrics, greedy completion texts). Under torchrun every rank evaluates the whole test set
-    the same way (FSDP needs the ranks in step; test sets are small); rank 0 logs it.
+    reward: the greedy answers' mean shaped reward. parsed: the share of greedy answers given in a tag or
+    a box (what unparsed_penalty rewards). pass@k, format and parsed need the task to report "correct",
+    "format", "parsed". Returns (metrics, greedy completion texts). Under torchrun every rank evaluates the
+    whole test set the same way (FSDP needs the ranks in step; test sets are small); rank 0 logs it.
     """
     idx = list(range(len(problems)))
     seeds = prompt_seeds(seed, 0, len(idx))
     greedy = engine.generate([prompt_ids[i] for i in idx], 1, seeds=seeds, temperature=0.0, top_p=1.0, top_k=-1,
                              max_tokens=cfg.max_completion_len)
     texts = [g[0].text for g in greedy]
-    _, comps = score_batch(texts, problems, [len(g[0].completion_ids) for g in greedy], cfg.math_last_number,
-                           **cfg.reward_weights)
-    sampled = engine.generate([prompt_ids[i] for i in idx], cfg.eval_k, seeds=seeds, temperature=cfg.temperature,
-                              top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len)
-    flat = [c for g in sampled for c in g]
-    _, sampled_comps = score_batch([c.text for c in flat], [problems[i] for i in idx for _ in range(cfg.eval_k)],
-                                   [len(c.completion_ids) for c in flat], cfg.math_last_number, **cfg.reward_weights)
-    solved = (sampled_comps["correct"].view(-1, cfg.eval_k) >= 1).any(dim=1)
-    return {"eval/pass@1_greedy": (comps["correct"] >= 1).float().mean().item(),
-            f"eval/pass@{cfg.eval_k}": solved.float().mean().item(),
-            "eval/mean_correct_sampled": sampled_comps["correct"].mean().item(),
-            "eval/format": comps["format"].mean().item(), "eval/parsed": comps["parsed"].mean().item(),
-            "eval/response_length": sum(len(g[0].completion_ids) for g in greedy) / len(greedy)}, texts
-
-
+    rewards, comps = score(task, texts, problems, [len(g[0].completion_ids) for g in greedy], cfg)
+    out = {"eval/reward": rewards.mean().item()}
+    if "correct" in comps:
+        sampled = engine.generate([prompt_ids[i] for i in idx], cfg.eval_k, seeds=seeds, temperature=cfg.temperature,
+                                  top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len)
+        flat = [c for g in sampled for c in g]
+        _, sampled_comps = score(task, [c.text for c in flat], [problems[i] for i in idx for _ in range(cfg.eval_k)],
+                                 [len(c.completion_ids) for c in flat], cfg)
+        correct = sampled_comps.get("correct", torch.zeros(len(flat)))
+        out["eval/pass@1_greedy"] = (comps["correct"] >= 1).float().mean().item()
+        out[f"eval/pass@{cfg.eval_k}"] = (correct.view(-1, cfg.eval_k) >= 1).any(dim=1).float().mean().item()
+        out["eval/mean_correct_sampled"] = correct.mean().item()
+    for name in ("format", "parsed"):
+        if name in comps:
+            out[f"eval/{name}"] = comps[name].mean().item()
+    out["eval/response_length"] = sum(len(g[0].completion_ids) for g in greedy) / len(greedy)
+    return out, texts
 
 
 def eval_due(engine, test, cfg, step):
@@ -578,11 +573,11 @@ def eval_due(engine, test, cfg, step):
     return {**metrics, "eval/updates": step, "time/eval": time.perf_counter() - start}
 
 
-def eval_only(cfg, engine, policy, test_problems, test_prompts):
+def eval_only(cfg, engine, policy, task, test_problems, test_prompts):
     """M2 on the weights as they are (the model, or init_from): print, and append to out_dir/eval.jsonl."""
     engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
-    metrics, texts = evaluate(engine, test_problems, test_prompts, cfg, cfg.seed)
-    examples = [{"prompt": p["prompt"], "completion": t} for p, t in zip(test_problems[:4], texts)]  # to read
+    metrics, texts = evaluate(engine, task, test_problems, test_prompts, cfg, cfg.seed)
+    examples = [{"prompt": task.prompt(p), "completion": t} for p, t in zip(test_problems[:4], texts)]  # to read
     results = {"weights": cfg.init_from or cfg.model, **metrics, "examples": examples}
     if parallel.rank() == 0:
         with open(os.path.join(cfg.out_dir, "eval.jsonl"), "a") as f:
@@ -705,6 +700,12 @@ def prepare_run(argv):
     if cfg.model not in BUILT_HERE:  # a hub name that cannot be fetched fails now, not after 10 retries
         check_model_source(cfg.model)
     preflight(cfg)
+    task = load_task(cfg)  # a task file that lacks a function fails here
+    try:
+        problems = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
+    except (DataError, ValueError) as e:  # a malformed dataset row, or fewer distinct problems than asked for
+        raise ConfigError(str(e)) from e
+    check_task_output(task, problems[0], cfg)  # a prompt() or reward() of the wrong type fails before a model loads
     with parallel.local_rank0_first():  # one rank per machine builds or converts the model folder, tidies out_dir
         os.makedirs(cfg.out_dir, exist_ok=True)
         path = model_path(cfg)
@@ -718,13 +719,9 @@ def prepare_run(argv):
         if not checkpoints(cfg.out_dir):
             raise ConfigError(f"resume=True but {cfg.out_dir} has no complete checkpoint (ckpt_*)")
         resume_from = checkpoints(cfg.out_dir)[-1]
-    try:
-        problems = load_problems(cfg, "train"), load_problems(cfg, "test")
-    except ValueError as e:  # a malformed JSONL line, or fewer distinct problems than asked for
-        raise ConfigError(str(e)) from e
     if rank == 0:
         save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
-    return cfg, device, path, resume_from, problems
+    return cfg, device, path, resume_from, task, problems
 
 
 def build_models(cfg, path, device, resume_from):
@@ -759,11 +756,11 @@ def make_sampler(cfg, num_prompts):
 
 def main(argv, wrap_engine=lambda engine: engine):
     """Train (or with eval_only, evaluate). wrap_engine lets a test observe the real engine's calls."""
-    cfg, device, path, resume_from, (train_problems, test_problems) = prepare_run(argv)
+    cfg, device, path, resume_from, task, (train_problems, test_problems) = prepare_run(argv)
     tokenizer, policy, train_model, ref, params, optimizer = build_models(cfg, path, device, resume_from)
     sampler = make_sampler(cfg, len(train_problems))
-    train = train_problems, tokenize_prompts(tokenizer, train_problems, cfg.max_prompt_len)
-    test = test_problems, tokenize_prompts(tokenizer, test_problems, cfg.max_prompt_len)
+    train = task, train_problems, tokenize_prompts(tokenizer, task, train_problems, cfg.max_prompt_len)
+    test = task, test_problems, tokenize_prompts(tokenizer, task, test_problems, cfg.max_prompt_len)
     state = TrainState(beta=cfg.beta, run_id=f"{random.Random().getrandbits(64):016x}")
     if resume_from:
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
@@ -799,7 +796,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         memory["mem/after_sleep_gb"] = memory_gb()
 
         # ---- group statistics of every group drawn (A4), which also feed the curriculum (D2)
-        stats = group_stats(drawn.rewards, G, correct=drawn.components["correct"])
+        stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
         sampler.update(drawn.problem[::G], stats["pass_rate"].tolist())  # a no-op for plain shuffling
         metrics = {"step": step, **rollout_metrics(drawn, stats, batch.gathered() if cfg.dynamic_sampling else None, G),
                    "beta": state.beta, "temperature": temperature, "refill_rounds": rounds}

@@ -21,6 +21,8 @@ SHAPES = {
     "Qwen/Qwen2.5-3B-Instruct": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
                                      num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
                                      tie_word_embeddings=True),
+    "Qwen/Qwen2.5-3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                            num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),  # the base
 }
 
 

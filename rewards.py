@@ -1,4 +1,4 @@
-"""Rule-based verifiers (SPEC W1-W6): Countdown, math and code, plus shaping and offline replay.
+"""Rule-based verifiers (SPEC W1-W6): Countdown, math and code, and the shaping every task's reward gets.
 
 A policy finds every hole in a reward, so every verifier here assumes adversarial input: answers
 are found with str.rfind (no regex that can backtrack for minutes on 100 KB of tags), Countdown
@@ -9,7 +9,8 @@ Per completion, each verifier returns a dict of components, all floats:
     format   1.0 if the text is exactly <think>...</think><answer>...</answer> with a non-empty answer (W2)
     parsed   1.0 if an answer was found and is well-formed for the task
     correct  1.0 / 0.0 (code: the fraction of tests passed)
-`score_batch` turns the components into one shaped reward per completion (W2-W3).
+The task files in tasks/ call these verifiers (task.py loads them); `score_batch` turns a batch's
+components into one shaped reward per completion (W2-W3), whatever the task.
 
     python rewards.py --replay out/run/samples.jsonl   # re-score saved rollouts, print disagreements (W5)
 """
@@ -24,7 +25,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import traceback
 from fractions import Fraction
 
 import torch
@@ -377,58 +377,31 @@ def digits_reward(text):
     return {"format": float(has_format(text)), "parsed": float(bool(chars)), "correct": share}
 
 
-# ---------------------------------------------------------------- the batch scorer (W2, W3)
+# ---------------------------------------------------------------- the shaping (W2, W3)
+
+OWN_SETTINGS = ("correct", "format", "parsed")  # components weighed by their own settings, not by `weights`
 
 
-def verifier(problem, last_number=False):
-    """The verifier of problem["task"], as a function of the completion text; an unknown task is an error."""
-    task = problem.get("task")
-    if task == "countdown":
-        return lambda text: countdown_reward(text, problem["numbers"], problem["target"])
-    if task == "math":
-        return lambda text: math_reward(text, problem["answer"], last_number)
-    if task == "code":
-        return lambda text: code_reward(text, problem["tests"])
-    if task == "digits":
-        return digits_reward
-    raise ValueError(f"unknown task {task!r}; expected countdown, math, code or digits")
+def shape_reward(c, length, *, weights=None, format_weight=0.1, correct_weight=1.0, wrong_penalty=0.0,
+                 unparsed_penalty=0.0, length_soft_limit=0, length_penalty=0.05, length_penalty_tokens=32,
+                 length_min=0):
+    """One scalar from a completion's components and its length in tokens.
 
-
-def score_one(text, problem, last_number=False):
-    """Dispatch on problem["task"] to the verifier; returns its components."""
-    return verifier(problem, last_number)(text)
-
-
-_REPORTED = []  # the first verifier traceback is printed once per process, then only counted
-
-
-def guarded(score, text):
-    """score(text), or None if the verifier raised: a bug in one verifier must not stop the run."""
-    try:
-        return score(text)
-    except Exception:
-        if not _REPORTED:
-            _REPORTED.append(True)
-            print("warning: a verifier raised; the completion scores 0 and is counted in reward/errors "
-                  "(this traceback is printed once):\n" + traceback.format_exc(), file=sys.stderr)
-        return None
-
-
-def shape_reward(c, length, *, format_weight=0.1, correct_weight=1.0, wrong_penalty=0.0, unparsed_penalty=0.0,
-                 length_soft_limit=0, length_penalty=0.05, length_penalty_tokens=32, length_min=0):
-    """One scalar from the components and the completion length in tokens.
-
-    W2: correct_weight * correct + format_weight * format; a parseable but wrong answer adds
-        wrong_penalty (small, e.g. -0.1), an unparseable one unparsed_penalty (larger, e.g. -0.5).
-        (A common blog reward gives 0.4 when the answer tag is missing, rewarding the missing answer; not here.)
+    W2: correct_weight * correct + format_weight * format + the task's other components, each times its
+        weight in `weights` (default 1, as TRL's reward_weights). With a "parsed" component, a parseable
+        but wrong answer adds wrong_penalty (small, e.g. -0.1), an unparseable one unparsed_penalty
+        (larger, e.g. -0.5). (A common blog reward gives 0.4 when the answer tag is missing, rewarding
+        the missing answer; not here.)
     W3: past length_soft_limit tokens, -length_penalty per length_penalty_tokens started;
         below length_min tokens the reward is 0. Both 0 = off.
     Example: correct, well formatted, 100 tokens, defaults -> 1.1.
     """
-    reward = correct_weight * c["correct"] + format_weight * c["format"]
-    if c["parsed"] and c["correct"] < 1:
+    weights = weights or {}
+    reward = correct_weight * c.get("correct", 0.0) + format_weight * c.get("format", 0.0)
+    reward += sum(weights.get(k, 1.0) * v for k, v in c.items() if k not in OWN_SETTINGS)
+    if "parsed" in c and c["parsed"] and c.get("correct", 0.0) < 1:
         reward += wrong_penalty
-    if not c["parsed"]:
+    if "parsed" in c and not c["parsed"]:
         reward += unparsed_penalty
     if length_soft_limit and length > length_soft_limit:
         reward -= length_penalty * math.ceil((length - length_soft_limit) / length_penalty_tokens)
@@ -437,68 +410,27 @@ def shape_reward(c, length, *, format_weight=0.1, correct_weight=1.0, wrong_pena
     return reward
 
 
-def score_batch(texts, problems, lengths, last_number=False, workers=0, **weights):
-    """Score N completions. Returns (rewards (N,) float32, {component: (N,) float32}).
+def score_batch(results, lengths, weights=None, **shaping):
+    """Shape N scored completions. Returns (rewards (N,) float32, {component: (N,) float32}).
 
-    A verifier that raises on a completion gives it reward 0 and errors = 1 (components["errors"]);
-    the first traceback is printed once. An unknown task raises ValueError before anything is scored.
-
-    texts: N completion strings; problems: N problem dicts (the problem of each completion);
-    lengths: N completion lengths in tokens; last_number: see math_reward; weights: shape_reward's kwargs.
-    workers: score in this many threads; worth it when a verifier waits on child processes (code,
-    sympy), not for Countdown (microseconds, and the GIL serialises pure Python anyway). 0 = serial.
+    results: per completion its components dict, or a string saying why the reward failed ("error",
+    "timeout", ...; task.run_rewards). A failed completion scores exactly 0 (no shaping, no penalty) and is
+    counted in components["errors"] (timeouts also in components["timeouts"]). A component some
+    completions lack is 0 for them. lengths: N completion lengths in tokens; weights, shaping: shape_reward's.
     """
-    jobs = [(verifier(p, last_number), t) for t, p in zip(texts, problems)]  # an unknown task fails here, whole
-    if workers > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(workers) as pool:
-            components = list(pool.map(lambda job: guarded(*job), jobs))
-    else:
-        components = [guarded(*job) for job in jobs]
-    # a verifier that raised scores exactly 0 (no shaping, no penalty) and is counted in "errors"
-    rewards = [shape_reward(c, n, **weights) if c is not None else 0.0 for c, n in zip(components, lengths)]
-    names = sorted({k for c in components if c is not None for k in c} | {"correct", "format", "parsed"})
-    per_component = {k: torch.tensor([c.get(k, 0.0) if c is not None else 0.0 for c in components]) for k in names}
-    per_component["errors"] = torch.tensor([float(c is None) for c in components])
+    failed = [isinstance(c, str) for c in results]
+    rewards = [0.0 if f else shape_reward(c, n, weights=weights, **shaping)
+               for c, f, n in zip(results, failed, lengths)]
+    names = sorted({k for c, f in zip(results, failed) if not f for k in c})
+    per_component = {k: torch.tensor([0.0 if f else c.get(k, 0.0) for c, f in zip(results, failed)]) for k in names}
+    per_component["errors"] = torch.tensor([float(f) for f in failed])
+    per_component["timeouts"] = torch.tensor([float(c == "timeout") for c in results])
     return torch.tensor(rewards, dtype=torch.float32), per_component
-
-
-# ---------------------------------------------------------------- offline replay (W5)
-
-
-def replay(path):
-    """Re-score every saved rollout in a JSONL file; print each disagreement and a summary.
-
-    Each line: {"problem": {...}, "completion": str, "components": {...}, and optionally "reward",
-    "length", "weights" (shape_reward kwargs) and "label" (a human's correct/incorrect, 1 or 0)}.
-    Returns the number of disagreements.
-    """
-    rows, disagreements = 0, 0
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            rows += 1
-            fresh = score_one(rec["completion"], rec["problem"], rec.get("last_number", False))
-            # "errors" counts verifiers that raised at training time; the reward check below catches those
-            checks = {k: (v, fresh.get(k)) for k, v in rec.get("components", {}).items() if k != "errors"}
-            if "reward" in rec:
-                again = shape_reward(fresh, rec.get("length", 0), **rec.get("weights", {}))
-                checks["reward"] = (rec["reward"], again)
-            if "label" in rec:
-                checks["label"] = (rec["label"], fresh["correct"])
-            for key, (stored, now) in checks.items():
-                if now is None or abs(float(stored) - float(now)) > 1e-6:
-                    disagreements += 1
-                    print(f"line {lineno}: {key} stored {stored} != re-scored {now}")
-                    print(f"    completion: {rec['completion'][-200:]!r}")
-    print(f"replayed {rows} rollouts from {path}: {disagreements} disagreements")
-    return disagreements
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "--replay":
-        sys.exit("usage: python rewards.py --replay FILE.jsonl")
+        sys.exit("usage: python rewards.py --replay out/run/samples.jsonl")
+    from task import replay  # re-scoring needs the run's task file, named in its config.json
+
     sys.exit(1 if replay(sys.argv[2]) else 0)

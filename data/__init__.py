@@ -1,1 +1,1 @@
-"""Task data: Countdown and math generators, a JSONL loader, and the prompt samplers."""
+"""Task data: the Countdown and math generators, dataset files (data/files.py), splits and the prompt samplers."""

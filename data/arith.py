@@ -1,19 +1,13 @@
 """A small math set made locally (nothing can be downloaded): arithmetic and algebra word problems.
 
 Every problem has an exact answer (an integer or a fraction in lowest terms, as a string), checked by
-rewards.math_reward. Each kind is a small function that draws numbers and returns the question and its answer.
+rewards.math_reward; the prompt around the question is tasks/math.py's. Each kind is a small function
+that draws numbers and returns the question and its answer.
 """
 
 from fractions import Fraction
 
 from data.split import draw_distinct
-
-# No concrete number in the example: a small model copies it as its answer (with \boxed{42} here,
-# SmolLM2-135M's base accuracy was 0.05 instead of 0.47; README, the default run).
-PROMPT = (
-    "{question} Think step by step inside <think> </think> tags, then give the final answer as "
-    "\\boxed{{...}} inside <answer> </answer> tags, for example <think> ... </think><answer>\\boxed{{...}}</answer>."
-)
 
 
 def _fmt(x):
@@ -77,7 +71,6 @@ def math_problems(split, n, seed=0, kinds=tuple(KINDS), max_number=99):
     def make(rng):
         question, answer, operands = KINDS[rng.choice(kinds)](rng, max_number)
         split_key = f"math:{operands}" if operands else f"math:{question}"  # None: the question itself
-        return f"math:{question}", split_key, {"task": "math", "prompt": PROMPT.format(question=question),
-                                               "answer": _fmt(answer)}
+        return f"math:{question}", split_key, {"question": question, "answer": _fmt(answer)}
 
     return draw_distinct(split, n, seed, make)

@@ -9,13 +9,6 @@ from fractions import Fraction
 
 from data.split import draw_distinct
 
-PROMPT = (
-    "Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
-    "arithmetic operations (+, -, *, /) and parentheses, and each number must be used exactly once. "
-    "Think step by step inside <think> </think> tags, then give only the equation inside "
-    "<answer> </answer> tags, for example <think> ... </think><answer>(1 + 2) / 3</answer>."
-)
-
 OPS = {"+": Fraction.__add__, "-": Fraction.__sub__, "*": Fraction.__mul__, "/": Fraction.__truediv__}
 
 
@@ -46,8 +39,6 @@ def countdown_problems(split, n, seed=0, num_counts=(3, 4), max_number=99, max_t
             return None
         target = int(made[0])
         key = f"countdown:{sorted(numbers)}:{target}"  # the order of the numbers does not make a new problem
-        return key, key, {
-            "task": "countdown", "prompt": PROMPT.format(numbers=numbers, target=target), "numbers": numbers,
-            "target": target, "solution": made[1]}
+        return key, key, {"numbers": numbers, "target": target, "solution": made[1]}
 
     return draw_distinct(split, n, seed, make)

@@ -43,8 +43,10 @@ def test_defaults_load_and_derive():
     assert cfg.prompts_per_step == cfg.batch_size // cfg.group_size == 8
     assert cfg.clip_eps_high_eff == cfg.clip_eps
     assert load_config(overrides=["--clip_eps_high=0.28"]).clip_eps_high_eff == 0.28
-    weights = load_config(overrides=["--wrong_penalty=-0.1"]).reward_weights
-    assert weights["wrong_penalty"] == -0.1 and weights["format_weight"] == 0.1 and len(weights) == 8
+    cfg = load_config(overrides=["--wrong_penalty=-0.1", "--reward_weights=brief:0.5, style:0",
+                                 "--data_columns=question:prompt"])
+    assert cfg.shaping["wrong_penalty"] == -0.1 and cfg.shaping["format_weight"] == 0.1 and len(cfg.shaping) == 8
+    assert cfg.component_weights == {"brief": 0.5, "style": 0.0} and cfg.data_column_map == {"question": "prompt"}
 
 
 def test_run_file_then_overrides_apply_last(tmp_path, capsys):
@@ -86,7 +88,11 @@ def test_unknown_keys_name_the_closest_valid_key(tmp_path):
         ("--adam_betas=0.9", "must be two numbers"),
         ("--adam_betas=0.9,fast", "must hold float items"),
         ("--math_kinds=add,integrals", "choose from"),
-        ("--task=gsm8k", "or the path of an existing .jsonl file"),
+        ("--task=poetry", "choose a built-in task"),
+        ("--task=missing.py", "task file missing.py not found"),
+        ("--reward_weights=brief", "must look like key:value"),
+        ("--reward_weights=brief:much", "brief:much is not a number"),
+        ("--data_columns=question", "must look like key:value"),
         ("--countdown_numbers=3,9", "use counts from 2 to 6"),
         ("group_size=4", "must look like --key=value"),
     ],

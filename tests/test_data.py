@@ -1,17 +1,17 @@
-"""Task data: generators, splits, the JSONL loader and the prompt samplers (SPEC D1-D3).   pytest tests/test_data.py"""
+"""Task data: generators, splits and the prompt samplers (SPEC D1-D3).   pytest tests/test_data.py
+
+Dataset files (data/files.py) are tested with the tasks that read them, in tests/test_task.py.
+"""
 
 import collections
 import json
 
 import pytest
 
-from config import load_config
 from data.arith import KINDS, math_problems
 from data.countdown import countdown_problems, random_solution
-from data.jsonl import DataError, load_jsonl
 from data.sampler import CurriculumSampler, PromptSampler
 from data.split import in_split
-from data.tasks import chat_messages, load_problems
 from rewards import countdown_reward, math_reward
 
 
@@ -65,20 +65,13 @@ def test_train_and_test_splits_are_disjoint_and_fixed():
         in_split("x", "validation")
 
 
-def test_prompt_template_has_the_layout():
-    p = countdown_problems("test", 1, seed=0)[0]
-    assert str(p["numbers"]) in p["prompt"] and str(p["target"]) in p["prompt"]
-    assert "<think>" in p["prompt"] and "<answer>" in p["prompt"]
-    assert chat_messages(p) == [{"role": "user", "content": p["prompt"]}]
-
-
 def test_math_problems_have_exact_answers_that_verify():
     problems = math_problems("train", 300, seed=0)
     assert {p["id"].split(":")[0] for p in problems} == {"math"}
     for p in problems:
         assert math_reward(f"<think>w</think><answer>\\boxed{{{p['answer']}}}</answer>", p["answer"])["correct"] == 1.0
     linear = math_problems("test", 20, seed=0, kinds=("linear",))
-    assert all(p["prompt"].startswith("Solve for x") for p in linear)
+    assert all(p["question"].startswith("Solve for x") for p in linear)
     with pytest.raises(ValueError, match="unknown math kinds"):
         math_problems("train", 1, kinds=("calculus",))
     assert set(KINDS) >= {"add", "linear", "fractions"}
@@ -124,59 +117,6 @@ def test_hand_checked_math_answers():
     assert KINDS["order_of_ops"](Draws(2, 3, 4), 99)[:2] == ("What is 2 + 3 * 4?", 14)
     assert KINDS["sub"](Draws(10, 25), 99)[:2] == ("What is 25 - 10?", 15)
     assert KINDS["cookies"](Draws(3, 12, 5), 99)[1] == 31
-
-
-# ---------------------------------------------------------------- JSONL
-
-
-def write_lines(tmp_path, lines):
-    path = tmp_path / "mine.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
-def test_jsonl_loader_formats(tmp_path):
-    lines = [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) for i in range(60)]
-    lines.append(json.dumps({"question": "Natalia sold 48 clips...", "answer": "48 / 2 = 24\n#### 72"}))
-    lines.append(json.dumps({"prompt": "Write add.", "tests": ["assert add(1, 2) == 3"], "id": "add"}))
-    lines.append(json.dumps({"prompt": "How many?", "answer": 7}))
-    path = write_lines(tmp_path, lines)
-    train, test = load_jsonl(path, "train"), load_jsonl(path, "test")
-    assert len(train) + len(test) == 63 and test  # ~10% in test, fixed by content
-    everything = {p["prompt"]: p for p in train + test}
-    assert everything["Natalia sold 48 clips..."]["answer"] == "72"  # GSM8K: after ####
-    assert everything["Write add."] == {"task": "code", "prompt": "Write add.", "tests": ["assert add(1, 2) == 3"],
-                                        "id": "add"}
-    assert everything["How many?"]["answer"] == "7"
-    assert load_jsonl(path, "test") == test
-
-
-@pytest.mark.parametrize(
-    "line, message",
-    [
-        ('{"prompt": "x", "answer": "1"', "line 2: not valid JSON"),
-        ('["prompt", "answer"]', "line 2: expected a JSON object"),
-        ('{"answer": "1"}', 'line 2: needs a non-empty string "prompt"'),
-        ('{"prompt": "  ", "answer": "1"}', 'line 2: needs a non-empty string "prompt"'),
-        ('{"prompt": "x"}', 'line 2: needs an "answer"'),
-        ('{"prompt": "x", "answer": true}', 'line 2: needs an "answer"'),
-        ('{"prompt": "x", "tests": []}', 'line 2: "tests" must be a non-empty list'),
-    ],
-)
-def test_jsonl_malformed_lines_name_the_line(tmp_path, line, message):
-    path = write_lines(tmp_path, ['{"prompt": "ok", "answer": "1"}', line])
-    with pytest.raises(DataError, match=message):
-        load_jsonl(path, "train")
-
-
-def test_load_problems_from_config(tmp_path):
-    cfg = load_config(overrides=["--train_size=30", "--test_size=5"])
-    assert len(load_problems(cfg, "train")) == 30 and len(load_problems(cfg, "test")) == 5
-    cfg = load_config(overrides=["--task=math", "--math_kinds=add", "--test_size=4"])
-    assert [p["task"] for p in load_problems(cfg, "test")] == ["math"] * 4
-    path = write_lines(tmp_path, [json.dumps({"prompt": f"q{i}", "answer": "1"}) for i in range(40)])
-    cfg = load_config(overrides=[f"--task={path}", "--train_size=10"])
-    assert len(load_problems(cfg, "train")) == 10
 
 
 # ---------------------------------------------------------------- samplers (D2, D3)

@@ -17,7 +17,7 @@ import torch
 import config
 import grpo
 from config import ConfigError
-from rewards import replay
+from task import replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 requires_vllm = pytest.mark.skipif(not grpo.vllm_available() and not os.environ.get("CI"), reason="vllm not installed")

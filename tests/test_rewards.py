@@ -1,6 +1,5 @@
 """Verifiers on hand-written and adversarial input (SPEC W1-W6).   pytest tests/test_rewards.py"""
 
-import json
 import os
 import socket
 import subprocess
@@ -19,7 +18,6 @@ from rewards import (
     last_boxed,
     math_reward,
     normalize_math,
-    replay,
     score_batch,
     shape_reward,
 )
@@ -359,43 +357,24 @@ def test_shape_reward_hand_worked():
     assert shape_reward(right, 10, length_min=10) == pytest.approx(1.1)
 
 
+def test_shape_reward_weighs_the_tasks_own_components():
+    # TRL's reward_weights: every other component counts with weight 1 unless weighted otherwise
+    c = {"correct": 1.0, "format": 0.0, "brief": 1.0, "style": 0.5}
+    assert shape_reward(c, 10) == pytest.approx(1.0 + 1.0 + 0.5)
+    assert shape_reward(c, 10, weights={"brief": 0.2, "style": 0.0}) == pytest.approx(1.2)
+    assert shape_reward({"score": 0.7}, 10, unparsed_penalty=-0.5) == pytest.approx(0.7)  # no "parsed": no penalty
+    assert shape_reward({"score": 0.7}, 200, length_soft_limit=100, length_penalty_tokens=100) == pytest.approx(0.65)
+
+
 def test_score_batch():
-    problems = [{"task": "countdown", "numbers": N, "target": T}] * 3 + [{"task": "math", "answer": "1/2"}]
-    texts = [A("3*5+7"), A("3+5+7"), "nothing", M("0.5")]
-    rewards, comps = score_batch(texts, problems, [10, 10, 10, 10], format_weight=0.2, wrong_penalty=-0.1)
-    assert rewards.tolist() == pytest.approx([1.2, 0.1, 0.0, 1.2])
+    right, wrong = {"format": 1.0, "parsed": 1.0, "correct": 1.0}, {"format": 1.0, "parsed": 1.0, "correct": 0.0}
+    results = [{**right, "numbers_valid": 1.0}, wrong, "error", "timeout", {"correct": 1.0}]
+    rewards, comps = score_batch(results, [10] * 5, {"numbers_valid": 0.0}, format_weight=0.2, wrong_penalty=-0.1)
+    assert rewards.tolist() == pytest.approx([1.2, 0.1, 0.0, 0.0, 1.0])  # a failed reward scores exactly 0
     assert rewards.dtype == torch.float32
-    assert comps["correct"].tolist() == [1.0, 0.0, 0.0, 1.0]
-    assert comps["numbers_valid"].tolist() == [1.0, 1.0, 0.0, 0.0]  # math has no such component: 0
-    with pytest.raises(ValueError, match="unknown task"):
-        score_batch(["x"], [{"task": "poetry"}], [1])
-
-
-def test_scoring_a_1000_completion_batch():
-    """The batch path gives each completion its own score (the speed is bench_rewards.py's to measure)."""
-    texts = [A("3*5+7"), A("(3+5)*7"), "<think>hmm</think><answer>abs(3)</answer>", "x" * 2000] * 250
-    rewards, comps = score_batch(texts, [{"task": "countdown", "numbers": N, "target": T}] * 1000, [50] * 1000)
-    assert comps["correct"].tolist() == [1.0, 0.0, 0.0, 0.0] * 250
-    assert comps["parsed"].tolist() == [1.0, 1.0, 0.0, 0.0] * 250
-
-
-# ---------------------------------------------------------------- replay (W5)
-
-
-def test_replay_reports_disagreements(tmp_path, capsys):
-    problem = {"task": "countdown", "numbers": N, "target": T}
-    rows = [
-        {"problem": problem, "completion": A("3*5+7"), "components": {"correct": 1.0, "format": 1.0}, "reward": 1.1,
-         "length": 12},
-        {"problem": problem, "completion": A("3+5+7"), "components": {"correct": 1.0}},  # stored wrongly
-        {"problem": problem, "completion": A("3*5+7"), "label": 0},  # a human disagrees
-    ]
-    path = tmp_path / "samples.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert replay(str(path)) == 2
-    out = capsys.readouterr().out
-    assert "line 2: correct stored 1.0 != re-scored 0.0" in out and "line 3: label" in out
-    assert "replayed 3 rollouts" in out
+    assert comps["correct"].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert comps["numbers_valid"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]  # a component others lack: 0 for them
+    assert comps["errors"].tolist() == [0.0, 0.0, 1.0, 1.0, 0.0] and comps["timeouts"].tolist() == [0, 0, 0, 1, 0]
 
 
 # ---------------------------------------------------------------- property: no input crashes or hangs
@@ -414,16 +393,6 @@ def test_random_strings_never_raise_or_hang(text):
     last_boxed(text)
     normalize_math(text[:300])
     assert time.perf_counter() - start < 0.5
-
-
-def test_threaded_scoring_gives_the_serial_result():
-    problems = [{"task": "countdown", "numbers": N, "target": T}, {"task": "math", "answer": "x+1"},
-                {"task": "code", "tests": ADD_TESTS}] * 3
-    texts = [A("3*5+7"), M("1+x"), C("def add(a, b):\n    return a + b")] * 3
-    serial = score_batch(texts, problems, [10] * 9)
-    threaded = score_batch(texts, problems, [10] * 9, workers=4)
-    assert torch.equal(serial[0], threaded[0]) and serial[0].tolist() == pytest.approx([1.1, 1.1, 1.1] * 3)
-    assert all(torch.equal(serial[1][k], threaded[1][k]) for k in serial[1])
 
 
 # ---------------------------------------------------------------- review fixes: holes and a raising verifier
@@ -453,27 +422,3 @@ def test_last_number_reads_thousands_separators_whole():
     assert math_reward("The total is 1,234", "234", last_number=True)["correct"] == 0.0
     assert math_reward("so 12,345,678.5 in all", "12345678.5", last_number=True)["correct"] == 1.0
     assert math_reward("pick 3, 4", "4", last_number=True)["correct"] == 1.0  # a list is not a separator
-
-
-def test_a_raising_verifier_scores_zero_and_is_counted(monkeypatch, capsys):
-    import rewards
-
-    real = rewards.digits_reward
-
-    def buggy(text):
-        if "boom" in text:
-            raise KeyError("a bug in a user's verifier")
-        return real(text)
-
-    monkeypatch.setattr(rewards, "digits_reward", buggy)
-    monkeypatch.setattr(rewards, "_REPORTED", [])
-    texts = ["123", "boom", "45 boom", "abc"]
-    got, comps = score_batch(texts, [{"task": "digits"}] * 4, [3] * 4, unparsed_penalty=-0.5, format_weight=0.1)
-    assert got.tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])  # exactly 0 for a raise: no penalty, no shaping
-    assert comps["errors"].tolist() == [0.0, 1.0, 1.0, 0.0] and comps["correct"].tolist() == [1.0, 0.0, 0.0, 0.0]
-    err = capsys.readouterr().err
-    assert err.count("Traceback") == 1 and "a bug in a user's verifier" in err  # printed once, then counted
-    score_batch(["boom"], [{"task": "digits"}], [1])
-    assert "Traceback" not in capsys.readouterr().err
-    threaded = score_batch(texts, [{"task": "digits"}] * 4, [3] * 4, workers=2, unparsed_penalty=-0.5)
-    assert threaded[1]["errors"].tolist() == [0.0, 1.0, 1.0, 0.0]

@@ -1,0 +1,134 @@
+"""Problems from a dataset: JSONL, Parquet or CSV files, a Hugging Face `datasets` folder, or a hub name.
+
+    data_path = "mine.jsonl"           # one JSON object per line
+    data_path = "mine.parquet"         # or mine.csv (every cell a string; a JSON list in a cell is read as a list)
+    data_path = "data/gsm8k"           # a folder: load_dataset's layout (train/test files) or save_to_disk's
+    data_path = "openai/gsm8k"         # a hub name, when the machine is online (data_name = "main" picks its config)
+
+Each row becomes one problem dict: its columns, renamed by the task's COLUMNS and then by the
+data_columns setting ("question:prompt,solution:answer"), plus an "id" (the row's own, or
+file:row). The splits are the dataset's own when it has train and test (or validation) splits,
+else a fixed 10% of the rows by a hash of their content (data/split.py), so the two never overlap.
+"""
+
+import csv
+import json
+import os
+
+from data.split import in_split
+
+FILE_KINDS = (".jsonl", ".parquet", ".csv")
+TEST_SPLITS = ("test", "validation")  # a dataset's own held-out split, in order of preference
+
+
+class DataError(ValueError):
+    """A dataset that cannot become problems; the message names the file, the row and what to change."""
+
+
+def is_data_path(path):
+    """True if `path` names a data file of a kind read here, or a folder."""
+    return path.endswith(FILE_KINDS) or os.path.isdir(path)
+
+
+def read_jsonl(path):
+    """The rows of a JSONL file, each with its line number; a malformed line is an error naming it."""
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}, line {lineno}: expected a JSON object like {{\"prompt\": ..., ...}}")
+            rows.append((lineno, row))
+    return rows
+
+
+def read_csv(path):
+    """The rows of a CSV file with a header line; a cell holding a JSON list (a code task's tests) becomes the list."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, str) and value.startswith("["):
+                try:
+                    row[key] = json.loads(value)
+                except json.JSONDecodeError:
+                    pass  # a string that starts with "[", not a list
+    return [(i + 2, row) for i, row in enumerate(rows)]  # line 1 is the header
+
+
+def read_datasets(path, name):
+    """{split: rows} from a `datasets` folder (save_to_disk's or load_dataset's layout) or a hub name."""
+    import datasets
+
+    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+        loaded = datasets.load_from_disk(path)
+    elif os.path.isdir(path):
+        loaded = datasets.load_dataset(path, name or None)
+    else:
+        from model import hub_reachable
+
+        if not hub_reachable():
+            raise DataError(f"data_path={path!r} is not a file or folder here, and the hub cannot be reached to "
+                            "fetch it as a dataset; download it on a machine with internet (datasets' save_to_disk, "
+                            "or the hub's parquet files) and point data_path at the folder")
+        loaded = datasets.load_dataset(path, name or None)
+    if isinstance(loaded, datasets.Dataset):
+        return {"all": [(i + 1, row) for i, row in enumerate(loaded)]}
+    return {split: [(i + 1, row) for i, row in enumerate(ds)] for split, ds in loaded.items()}
+
+
+def read_splits(path, name=""):
+    """{split: [(row number, row dict)]}: the dataset's own splits, or everything under "all"."""
+    if path.endswith(".jsonl"):
+        return {"all": read_jsonl(path)}
+    if path.endswith(".csv"):
+        return {"all": read_csv(path)}
+    if path.endswith(".parquet"):
+        import pyarrow.parquet
+
+        return {"all": [(i + 1, row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]}
+    return read_datasets(path, name)
+
+
+def rows_of_split(splits, split):
+    """The rows of `split` ("train" or "test"): the dataset's own split when it has both, else a hash split of all."""
+    test = next((s for s in TEST_SPLITS if s in splits), None)
+    if "train" in splits and test:
+        return splits["train" if split == "train" else test]
+    rows = [r for part in splits.values() for r in part]  # one file, or a dataset with one split
+    return [(n, row) for n, row in rows if in_split(json.dumps(row, sort_keys=True, default=str), split)]
+
+
+def renamed(row, columns):
+    """The row with its columns renamed by `columns` ({old: new}); a missing old column is an error."""
+    missing = [old for old in columns if old not in row]
+    if missing:
+        raise DataError(f"no column {missing[0]!r} to rename (the row has {sorted(row)})")
+    return {columns.get(k, k): v for k, v in row.items()}
+
+
+def load_rows(path, split, n, columns, check=None, name=""):
+    """The first n problems of `split` from the dataset at `path`, renamed by `columns`, each checked by check()."""
+    if not os.path.exists(path) and (path.startswith((".", "/", "~")) or path.endswith(FILE_KINDS)):
+        raise DataError(f"data_path={path!r} not found")
+    problems = []
+    for number, row in rows_of_split(read_splits(path, name), split)[:n]:
+        where = f"{path}, {'line' if path.endswith(('.jsonl', '.csv')) else 'row'} {number}"
+        try:
+            problem = renamed(row, columns)
+            problem.setdefault("id", f"{os.path.basename(path)}:{number}")
+            problem["id"] = str(problem["id"])
+            if check is not None:
+                check(problem)  # the task's own check: raises ValueError saying what the row lacks
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{where}: {e}") from None
+        problems.append(problem)
+    if not problems:
+        raise DataError(f"{path}: no {split} problems (without its own test split, ~10% of rows are the test "
+                        "split; add more rows)")
+    return problems

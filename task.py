@@ -1,0 +1,314 @@
+"""A task: problems, a prompt and a reward, from one plain Python file. `task` names it.
+
+    python grpo.py --task=countdown                  # a built-in task: tasks/countdown.py
+    python grpo.py --task=mytask.py                  # your own file
+    python grpo.py --task=gsm8k --data_path=data/gsm8k   # a task's problems from a dataset (data/files.py)
+    python grpo.py --task=mine.jsonl                 # shorthand: tasks/dataset.py on that file
+
+A task file defines three functions (tasks/larger.py is a complete example):
+
+    problems(split, n, seed) -> list of dicts     split is "train" or "test"; not needed with data_path
+    prompt(problem)          -> chat messages [{"role": "user", "content": ...}] or a raw string (no template)
+    reward(completion, problem) -> a float, or a dict of named floats; "correct" (1/0, or a share) makes
+                                   pass@k and accuracy; "format" and "parsed" feed the shaping (rewards.py)
+
+and may define:
+
+    COMPLETION_PREFIX = "<think>"   the answer's first words, written by the prompt, not sampled; the reward
+                                    sees them in front of the completion (R1-Zero's template ends with it)
+    WEIGHTS = {"numbers_valid": 0}  weights of the task's own components (default 1; reward_weights overrides)
+    COLUMNS = {"question": "prompt"}  dataset columns to rename before a row becomes a problem
+    check(problem)                  raise ValueError saying what a dataset row lacks (named with its line)
+    configure(cfg)                  called once with the run's Config before anything else
+
+The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or hangs
+scores 0 for that completion and is counted in reward/errors; the run goes on. Module state the reward
+changes therefore does not persist from batch to batch (reward_timeout=0 runs it in-process, no deadline).
+"""
+
+import importlib.util
+import json
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from config import ConfigError, load_saved
+from data.files import is_data_path, load_rows
+from rewards import score_batch
+
+TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
+
+
+@dataclass
+class Task:
+    """The functions and extras of one task file; `where` names the file in every message."""
+
+    where: str
+    problems: object  # problems(split, n, seed), or None when the problems come from data_path
+    prompt: object  # prompt(problem)
+    reward: object  # reward(completion, problem)
+    completion_prefix: str = ""
+    weights: dict = field(default_factory=dict)
+    columns: dict = field(default_factory=dict)
+    check: object = None
+
+
+def builtin_tasks():
+    """Names of the task files in tasks/."""
+    return sorted(f[:-3] for f in os.listdir(TASK_DIR) if f.endswith(".py"))
+
+
+def task_file(cfg):
+    """The file `cfg.task` names: a built-in name, a .py path, or (a data file as the task) tasks/dataset.py."""
+    if cfg.task in builtin_tasks():
+        return os.path.join(TASK_DIR, cfg.task + ".py")
+    if cfg.task.endswith(".py"):
+        if not os.path.isfile(cfg.task):
+            raise ConfigError(f"task file {cfg.task} not found")
+        return cfg.task
+    if is_data_path(cfg.task):
+        return os.path.join(TASK_DIR, "dataset.py")
+    raise ConfigError(f"task={cfg.task!r}: choose a built-in task {builtin_tasks()}, a task file (.py), "
+                      f"or a data file (.jsonl, .parquet, .csv) or folder")
+
+
+def import_file(path):
+    """The module in the file at `path` (loaded by path: tasks/ is a folder of files, not a package)."""
+    name = "task_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so pickling and dataclasses inside the file find it
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_task(cfg):
+    """Import the task file, check it defines what the run needs, call its configure(cfg). Fails in pre-flight."""
+    path = task_file(cfg)
+    module = import_file(path)
+    data_path = cfg.data_path or (cfg.task if is_data_path(cfg.task) else "")
+    for name, signature in (("prompt", "prompt(problem)"), ("reward", "reward(completion, problem)"),
+                            ("problems", "problems(split, n, seed)")):
+        if name == "problems" and data_path:
+            continue  # the problems come from the dataset
+        if not callable(getattr(module, name, None)):
+            hint = " (or set data_path to a dataset)" if name == "problems" else ""
+            raise ConfigError(f"task file {path} defines no function {signature}{hint}")
+    if hasattr(module, "configure"):
+        module.configure(cfg)
+    extras = {"completion_prefix": getattr(module, "COMPLETION_PREFIX", ""), "weights": getattr(module, "WEIGHTS", {}),
+              "columns": getattr(module, "COLUMNS", {}), "check": getattr(module, "check", None)}
+    if not isinstance(extras["completion_prefix"], str) or not isinstance(extras["weights"], dict):
+        raise ConfigError(f"task file {path}: COMPLETION_PREFIX must be a string and WEIGHTS a dict of floats")
+    return Task(path, None if data_path else module.problems, module.prompt, module.reward, **extras)
+
+
+# ---------------------------------------------------------------- problems and prompts
+
+
+def load_problems(cfg, task, split):
+    """The problems of `split` ("train" or "test"): the task's problems(), or rows of data_path."""
+    n = cfg.train_size if split == "train" else cfg.test_size
+    if task.problems is None:
+        columns = {**task.columns, **cfg.data_column_map}
+        return load_rows(cfg.data_path or cfg.task, split, n, columns, task.check, cfg.data_name)
+    problems = task.problems(split, n, cfg.data_seed)
+    if not isinstance(problems, list) or not problems or not all(isinstance(p, dict) for p in problems):
+        raise ConfigError(f"{task.where}: problems({split!r}, {n}, {cfg.data_seed}) must return a non-empty list "
+                          f"of dicts, got {type(problems).__name__}")
+    return [{**p, "id": str(p.get("id", f"{split}:{i}"))} for i, p in enumerate(problems)]
+
+
+def prompt_text(tokenizer, task, problem):
+    """The text the model continues: chat messages through the chat template, a raw string as it is; then the
+    COMPLETION_PREFIX (in a chat, the start of the assistant's turn)."""
+    p = task.prompt(problem)
+    if isinstance(p, str):
+        return p + task.completion_prefix  # R1-Zero style: a base model, no template
+    if not tokenizer.chat_template:
+        raise ConfigError(f"{task.where}: prompt() returned chat messages but this tokenizer has no chat template "
+                          "(a base model?); return a raw string instead")
+    if task.completion_prefix:  # the assistant's turn opened and begun, not closed
+        return tokenizer.apply_chat_template([*p, {"role": "assistant", "content": task.completion_prefix}],
+                                             continue_final_message=True, tokenize=False)
+    return tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+
+
+def tokenize_prompts(tokenizer, task, problems, max_prompt_len):
+    """Prompt token ids; a prompt longer than max_prompt_len is an error, never cut."""
+    out = []
+    for p in problems:
+        text = prompt_text(tokenizer, task, p)
+        raw = isinstance(task.prompt(p), str)  # a chat template writes its own special tokens (BOS)
+        ids = tokenizer(text, add_special_tokens=raw).input_ids
+        if len(ids) > max_prompt_len:
+            raise ConfigError(f"prompt {p['id']} has {len(ids)} tokens > max_prompt_len={max_prompt_len}; raise it")
+        out.append(ids)
+    return out
+
+
+def is_chat(p):
+    return isinstance(p, list) and p and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in p)
+
+
+def check_task_output(task, problems, cfg):
+    """Pre-flight: prompt() gives a string or chat messages for every problem, and reward() a float or a dict of
+    floats on an empty completion (raising there is allowed: an empty answer may well be an error)."""
+    for p in problems:
+        out = task.prompt(p)
+        if not isinstance(out, str) and not is_chat(out):
+            raise ConfigError(f"{task.where}: prompt() returned {out!r:.80} for problem {p['id']}; expected a raw "
+                              "string or chat messages like [{'role': 'user', 'content': '...'}]")
+    result = run_rewards(task.reward, [task.completion_prefix], problems[:1], cfg.reward_timeout, quiet=True)[0]
+    if isinstance(result, str) and result.startswith("wrong type"):
+        raise ConfigError(f"{task.where}: reward() {result}")
+
+
+# ---------------------------------------------------------------- the reward under a deadline
+
+
+def as_components(value):
+    """A reward's return value as {name: float}: a float becomes {"score": float}. Raises TypeError otherwise."""
+    if isinstance(value, (int, float)):
+        value = {"score": value}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
+                                              for k, v in value.items()):
+        raise TypeError(f"wrong type: returned {value!r:.80}; expected a float or a dict of named floats")
+    if not all(math.isfinite(v) for v in value.values()):
+        raise TypeError(f"wrong type: returned a non-finite value {value!r:.80}")
+    return {k: float(v) for k, v in value.items()}
+
+
+def _score_all(reward, jobs, send):
+    """Score each (i, text, problem) in order; send (i, components) or (i, "error" | "wrong type...", traceback)."""
+    for i, text, problem in jobs:
+        try:
+            send((i, as_components(reward(text, problem)), ""))
+        except TypeError as e:
+            if str(e).startswith("wrong type"):
+                send((i, str(e), ""))
+            else:
+                send((i, "error", traceback.format_exc()))
+        except BaseException:  # anything the reward does, sys.exit included, fails only this completion
+            send((i, "error", traceback.format_exc()))
+
+
+def _child(reward, jobs, conn):
+    _score_all(reward, jobs, conn.send)
+    conn.close()
+
+
+_REPORTED = set()  # the first failure of each kind is printed once per process, then only counted
+FAILURES = {"error": "a reward raised (or its process died)", "timeout": "a reward ran past reward_timeout"}
+
+
+def report(kind, detail):
+    if kind not in _REPORTED:
+        _REPORTED.add(kind)
+        print(f"warning: {FAILURES.get(kind, 'a reward returned the wrong type')}; the completion scores 0 and is "
+              f"counted in reward/errors (printed once):\n{detail}", file=sys.stderr)
+
+
+def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False):
+    """reward(text, problem) for each completion: a components dict, or a string saying why it failed
+    ("error", "timeout", "wrong type: ..."). With timeout > 0, `workers` forked children each score a share
+    in order; one that sends nothing for `timeout` s is killed, its completion marked "timeout", and a fresh
+    child goes on with the rest. timeout = 0: in this process, no deadline."""
+    results, workers = [None] * len(texts), max(1, workers)
+
+    def record(message):
+        i, value, detail = message
+        results[i] = value
+        if isinstance(value, str) and not quiet:
+            report(value if value in FAILURES else "wrong type", detail or value)
+
+    jobs = [(i, t, p) for i, (t, p) in enumerate(zip(texts, problems))]
+    if not timeout:
+        _score_all(reward, jobs, record)
+        return results
+    ctx = multiprocessing.get_context("fork")  # the child inherits the task module: any function works
+
+    def start(share):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(reward, share, child), daemon=True)
+        proc.start()
+        child.close()
+        return parent, [proc, share, time.monotonic() + timeout]
+
+    running = dict(start(jobs[w::workers]) for w in range(min(workers, len(jobs))))
+    while running:
+        soonest = min(state[2] for state in running.values())
+        ready = multiprocessing.connection.wait(list(running), max(0.0, soonest - time.monotonic()))
+        for conn in list(running):
+            proc, share, deadline = running.pop(conn)
+            if conn in ready:
+                try:
+                    message, dead = conn.recv(), False
+                except EOFError:  # the child died (a crash, os._exit) while scoring share[0]
+                    proc.join()
+                    message, dead = (share[0][0], "error", f"its process died (exit code {proc.exitcode})"), True
+            elif time.monotonic() >= deadline:
+                proc.kill()
+                message, dead = (share[0][0], "timeout", f"no result within reward_timeout={timeout} s"), True
+            else:
+                running[conn] = [proc, share, deadline]
+                continue
+            record(message)
+            rest = share[1:]
+            if dead:
+                proc.join()
+                if rest:  # a fresh child for the rest of this share
+                    running.update([start(rest)])
+            elif rest:
+                running[conn] = [proc, rest, time.monotonic() + timeout]
+            else:
+                proc.join()
+    return results
+
+
+def score(task, texts, problems, lengths, cfg):
+    """Rewards (N,) and components {name: (N,)} of N completions: the task's reward, then the shaping (W2, W3)."""
+    seen = [task.completion_prefix + t for t in texts]  # the reward sees the answer as the model's whole turn
+    results = run_rewards(task.reward, seen, problems, cfg.reward_timeout, cfg.reward_workers)
+    return score_batch(results, lengths, {**task.weights, **cfg.component_weights}, **cfg.shaping)
+
+
+# ---------------------------------------------------------------- offline replay (W5)
+
+
+def replay(path, config_path=None):
+    """W5: re-score every saved rollout in a samples.jsonl; print each disagreement and a summary.
+
+    Each line: {"problem": {...}, "completion": str, "components": {...}, and optionally "reward",
+    "length" and "label" (a human's correct/incorrect, 1 or 0)}. The task and the shaping come from the
+    run's config.json (beside the file unless config_path says otherwise). Returns the number of disagreements.
+    """
+    cfg = load_saved(config_path or os.path.join(os.path.dirname(os.path.abspath(path)), "config.json"))
+    task = load_task(cfg)
+    rows, disagreements = 0, 0
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    for lineno, rec in enumerate(records, 1):
+        rows += 1
+        fresh = run_rewards(task.reward, [task.completion_prefix + rec["completion"]], [rec["problem"]], 0)[0]
+        fresh = {} if isinstance(fresh, str) else fresh
+        # "errors" and "timeouts" count rewards that failed at training time; the reward check catches those
+        checks = {k: (v, fresh.get(k)) for k, v in rec.get("components", {}).items() if k not in ("errors", "timeouts")}
+        if "reward" in rec:
+            rewards, _ = score_batch([fresh], [rec.get("length", 0)], {**task.weights, **cfg.component_weights},
+                                     **cfg.shaping)
+            checks["reward"] = (rec["reward"], rewards[0].item())
+        if "label" in rec:
+            checks["label"] = (rec["label"], fresh.get("correct"))
+        for key, (stored, now) in checks.items():
+            if now is None or abs(float(stored) - float(now)) > 1e-6:
+                disagreements += 1
+                print(f"line {lineno}: {key} stored {stored} != re-scored {now}")
+                print(f"    completion: {rec['completion'][-200:]!r}")
+    print(f"replayed {rows} rollouts from {path}: {disagreements} disagreements")
+    return disagreements

@@ -1,0 +1,34 @@
+"""Countdown (SPEC D1): reach the target with + - * / and each given number once.   --task=countdown
+
+The problems are generated (data/countdown.py: 3-4 numbers in 1..99, every one solvable); the prompt is
+a chat message for an instruct model; the reward is rewards.countdown_reward.
+"""
+
+from data.countdown import countdown_problems
+from rewards import countdown_reward
+
+PROMPT = (
+    "Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
+    "arithmetic operations (+, -, *, /) and parentheses, and each number must be used exactly once. "
+    "Think step by step inside <think> </think> tags, then give only the equation inside "
+    "<answer> </answer> tags, for example <think> ... </think><answer>(1 + 2) / 3</answer>."
+)
+WEIGHTS = {"numbers_valid": 0.0}  # logged, not rewarded: a wrong equation that uses the right numbers is still wrong
+SETTINGS = {}  # the generator's difficulty, from the run's config (configure)
+
+
+def configure(cfg):
+    SETTINGS.update(num_counts=cfg.countdown_numbers, max_number=cfg.countdown_max_number,
+                    max_target=cfg.countdown_max_target)
+
+
+def problems(split, n, seed):
+    return countdown_problems(split, n, seed, **SETTINGS)
+
+
+def prompt(problem):
+    return [{"role": "user", "content": PROMPT.format(numbers=problem["numbers"], target=problem["target"])}]
+
+
+def reward(completion, problem):
+    return countdown_reward(completion, problem["numbers"], problem["target"])

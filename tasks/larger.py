@@ -1,0 +1,25 @@
+"""Your own task in one file: say which of two numbers is larger.   python grpo.py --task=tasks/larger.py"""
+
+import random
+import re
+
+from data.split import in_split
+
+
+def problems(split, n, seed):
+    rng, pairs = random.Random(seed), {}
+    while len(pairs) < n:
+        a, b = rng.sample(range(1, 1000), 2)
+        if in_split(f"larger:{min(a, b)}:{max(a, b)}", split):  # fixed, disjoint train and test problems
+            pairs[min(a, b), max(a, b)] = {"id": f"{a} or {b}", "a": a, "b": b}
+    return list(pairs.values())
+
+
+def prompt(problem):
+    return [{"role": "user", "content": f"Which is larger, {problem['a']} or {problem['b']}? Answer with the number."}]
+
+
+def reward(completion, problem):
+    numbers = re.findall(r"\d+", completion)
+    said = int(numbers[-1]) if numbers else None
+    return {"correct": float(said == max(problem["a"], problem["b"])), "brief": 0.1 * (len(completion) < 40)}

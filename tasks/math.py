@@ -1,0 +1,48 @@
+"""Math word problems with exact answers (SPEC D1): the default run's task.   --task=math
+
+Generated locally (data/arith.py: addition by default, math_kinds for more); the answer is judged by
+rewards.math_reward: the last \\boxed{} or <answer>, or with math_last_number the text's last number.
+A dataset row works too (tasks/dataset.py): "question" gets this prompt's instructions, "prompt" is
+used as it is, and a GSM8K answer ("... #### 72") is judged by what follows ####.
+"""
+
+from data.arith import math_problems
+from rewards import math_reward
+
+# No concrete number in the example: a small model copies it as its answer (with \boxed{42} here,
+# SmolLM2-135M's base accuracy was 0.05 instead of 0.47; README, the default run).
+PROMPT = (
+    "{question} Think step by step inside <think> </think> tags, then give the final answer as "
+    "\\boxed{{...}} inside <answer> </answer> tags, for example <think> ... </think><answer>\\boxed{{...}}</answer>."
+)
+SETTINGS = {}
+
+
+def configure(cfg):
+    SETTINGS.update(kinds=cfg.math_kinds, max_number=cfg.math_max_number, last_number=cfg.math_last_number)
+
+
+def problems(split, n, seed):
+    return math_problems(split, n, seed, SETTINGS["kinds"], SETTINGS["max_number"])
+
+
+def prompt(problem):
+    if "prompt" in problem:  # a dataset's own prompt, as written
+        return [{"role": "user", "content": problem["prompt"]}]
+    return [{"role": "user", "content": PROMPT.format(question=problem["question"])}]
+
+
+def reward(completion, problem):
+    answer = str(problem["answer"]).split("####")[-1].strip()  # GSM8K keeps the final answer after ####
+    return math_reward(completion, answer, SETTINGS.get("last_number", True))
+
+
+def check(problem):
+    """A dataset row: a non-empty "prompt" or "question" string and an "answer" (a string or a number)."""
+    text = problem.get("prompt", problem.get("question"))
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError('needs a non-empty string "prompt" (or "question")')
+    answer = problem.get("answer")
+    final = str(answer).split("####")[-1].strip()
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not final:
+        raise ValueError('needs an "answer" (a string or number)')
