@@ -546,13 +546,14 @@ def evaluate(engine, task, problems, prompt_ids, cfg, seed):
                              max_tokens=cfg.max_completion_len)
     texts = [g[0].text for g in greedy]
     rewards, comps = score(task, texts, problems, [len(g[0].completion_ids) for g in greedy], cfg)
+    # every rank generates the same calls whatever the rewards say (FSDP's HF engine generates in lockstep)
+    sampled = engine.generate([prompt_ids[i] for i in idx], cfg.eval_k, seeds=seeds, temperature=cfg.temperature,
+                              top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len)
+    flat = [c for g in sampled for c in g]
+    _, sampled_comps = score(task, [c.text for c in flat], [problems[i] for i in idx for _ in range(cfg.eval_k)],
+                             [len(c.completion_ids) for c in flat], cfg)
     out = {"eval/reward": rewards.mean().item()}
     if "correct" in comps:
-        sampled = engine.generate([prompt_ids[i] for i in idx], cfg.eval_k, seeds=seeds, temperature=cfg.temperature,
-                                  top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len)
-        flat = [c for g in sampled for c in g]
-        _, sampled_comps = score(task, [c.text for c in flat], [problems[i] for i in idx for _ in range(cfg.eval_k)],
-                                 [len(c.completion_ids) for c in flat], cfg)
         correct = sampled_comps.get("correct", torch.zeros(len(flat)))
         out["eval/pass@1_greedy"] = (comps["correct"] >= 1).float().mean().item()
         out[f"eval/pass@{cfg.eval_k}"] = (correct.view(-1, cfg.eval_k) >= 1).any(dim=1).float().mean().item()

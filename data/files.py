@@ -76,7 +76,10 @@ def read_datasets(path, name):
             raise DataError(f"data_path={path!r} is not a file or folder here, and the hub cannot be reached to "
                             "fetch it as a dataset; download it on a machine with internet (datasets' save_to_disk, "
                             "or the hub's parquet files) and point data_path at the folder")
-        loaded = datasets.load_dataset(path, name or None)
+        try:
+            loaded = datasets.load_dataset(path, name or None)
+        except Exception as e:  # not on the hub, a gated dataset, a wrong data_name: say which setting
+            raise DataError(f"data_path={path!r}, data_name={name!r}: {type(e).__name__}: {e}") from None
     if isinstance(loaded, datasets.Dataset):
         return {"all": [(i + 1, row) for i, row in enumerate(loaded)]}
     return {split: [(i + 1, row) for i, row in enumerate(ds)] for split, ds in loaded.items()}
