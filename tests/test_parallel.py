@@ -152,8 +152,8 @@ def test_vllm_tensor_parallel_engine_shared_by_two_ranks(runs, tmp_path):
     assert [m["step"] for m in log] == [0, 1, 2] and log[-1]["kl"] > 0
     for m in log:  # the sharded engine holds exactly the trainer's weights after every push
         assert m["sampler_logprob_diff_max"] < 1e-4, m["sampler_logprob_diff_max"]
-    prompts = [(s["step"], s["problem"]["prompt"]) for s in read_jsonl(out / "samples.jsonl")]
-    assert prompts == [(s["step"], s["problem"]["prompt"]) for s in read_jsonl(runs["single"] / "samples.jsonl")]
+    prompts = [(s["step"], s["problem"]["id"]) for s in read_jsonl(out / "samples.jsonl")]
+    assert prompts == [(s["step"], s["problem"]["id"]) for s in read_jsonl(runs["single"] / "samples.jsonl")]
 
 
 def test_padding_micro_batches_add_nothing(monkeypatch, tmp_path):
