@@ -15,29 +15,49 @@ def _groups(rewards, group_size):
     return rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)
 
 
-def group_advantages(rewards, group_size, *, scale="group", std_floor=1e-4, zero_std_groups=False, clip=0.0):
-    """Advantage of each completion relative to its group.
+def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std_floor=1e-4, zero_std_groups=False,
+                     clip=0.0, batch_sum=None):
+    """Advantage of each completion relative to its group: (r - baseline) / scale.
 
-    rewards: (N,) float, N = num_prompts * group_size, groups contiguous.
-    scale:   "group" -> (r - mean) / max(std, std_floor)   (A1, the GRPO paper's z-score)
-             "none"  -> r - mean                           (A1, Dr. GRPO: no std division)
-    zero_std_groups: groups whose std < std_floor get advantage 0 (A2, a common variant).
-    clip:    clamp to [-clip, clip] after normalising; 0 = off (A3).
+    rewards:  (N,) float, N = num_prompts * group_size, groups contiguous.
+    baseline: "mean"          -> b = the group's mean reward                      (A1, GRPO)
+              "leave-one-out" -> b_i = the mean of the other G - 1 rewards        (RLOO, Ahmadian et al. 2024)
+                                 r_i - b_i = G / (G - 1) * (r_i - mean): GRPO's centred reward, scaled up
+    scale:    "group" -> / max(std of the group's rewards, std_floor)           (A1, the GRPO paper's z-score)
+              "batch" -> / max(std of every r - b in the batch, std_floor)      (TRL scale_rewards="batch";
+                         with the mean baseline, REINFORCE++-baseline's whitening)
+              "none"  -> as it is                                               (A1, Dr. GRPO: no std division)
+    zero_std_groups: groups whose reward std < std_floor get advantage 0 (A2, a common variant).
+    clip:     clamp to [-clip, clip] after normalising; 0 = off (A3).
+    batch_sum: with scale="batch" under torchrun, a function that sums a number over the ranks
+              (parallel.all_sum), so the std is the global batch's; None = these rewards alone.
     Returns (N,) float32 (float64 for float64 rewards).
 
-    Example, G = 4, rewards [1, 0, 0, 0]: mean 0.25, unbiased std 0.5,
-    advantages [1.5, -0.5, -0.5, -0.5].
+    Example, one group of G = 4, rewards [1, 0, 0, 0] (mean 0.25, unbiased std 0.5):
+                       scale "group"              "batch"                  "none"
+      "mean"           [1.5, -0.5, -0.5, -0.5]    [1.5, -0.5, -0.5, -0.5]  [0.75, -0.25, -0.25, -0.25]
+      "leave-one-out"  [2, -2/3, -2/3, -2/3]      [1.5, -0.5, -0.5, -0.5]  [1, -1/3, -1/3, -1/3]
+    (The batch is this one group here. Leave-one-out is the mean baseline's advantage times G / (G - 1),
+    a factor that whitening by the batch std removes again.)
     """
     groups = _groups(rewards, group_size)  # (P, G)
+    G = group_size
     mean = groups.mean(dim=1, keepdim=True)  # (P, 1)
     # Unbiased (Bessel, divide by G-1) std, as TRL and verl use; the paper does not say which.
     std = groups.std(dim=1, keepdim=True)  # (P, 1)
-    adv = groups - mean  # (P, G)
+    if baseline == "mean":
+        adv = groups - mean  # (P, G)
+    elif baseline == "leave-one-out":  # RLOO: no completion is its own baseline, so the estimate is unbiased
+        adv = groups - (groups.sum(dim=1, keepdim=True) - groups) / (G - 1)
+    else:
+        raise ValueError(f"baseline must be 'mean' or 'leave-one-out', got {baseline!r}")
     if scale == "group":
         # A2: a floor rather than "+ eps", so a std of 1e-6 cannot blow a 1e-6 reward gap up to 1.
         adv = adv / std.clamp(min=std_floor)
+    elif scale == "batch":
+        adv = adv / batch_std(adv, batch_sum).clamp(min=std_floor)
     elif scale != "none":
-        raise ValueError(f"scale must be 'group' or 'none', got {scale!r}")
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     if zero_std_groups:
         # A2: when all rewards are equal adv is already exactly 0 either way; this only changes
         # groups of nearly-equal continuous rewards, whose tiny differences are usually noise.
@@ -45,6 +65,14 @@ def group_advantages(rewards, group_size, *, scale="group", std_floor=1e-4, zero
     if clip > 0:
         adv = adv.clamp(-clip, clip)  # A3: after normalising, so the bound is in std units
     return adv.reshape(-1)
+
+
+def batch_std(x, batch_sum=None):
+    """Unbiased std of every element of x, over all ranks when batch_sum sums over them; a 0-dim tensor."""
+    total = batch_sum or float
+    n, s1, s2 = total(x.numel()), total(x.sum().item()), total((x.double() ** 2).sum().item())
+    var = (s2 - s1 * s1 / n) / (n - 1) if n > 1 else 0.0
+    return torch.tensor(max(var, 0.0) ** 0.5, dtype=x.dtype)
 
 
 def group_stats(rewards, group_size, correct=None, eps=1e-4):

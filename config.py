@@ -109,7 +109,9 @@ class Config:
     is_seq_cap: float = 3.0  # R2: cap on the completion's ratio, the product over its tokens (not a geometric mean)
 
     # ---- advantages (A1-A3) ----
-    adv_scale: str = "group"  # A1: "group" divides by the group std (z-score); "none" = mean-only (Dr. GRPO)
+    adv_baseline: str = "mean"  # A1: "mean" of the group (GRPO) | "leave-one-out": the other G-1's mean (RLOO)
+    # "batch": TRL scale_rewards="batch", REINFORCE++-baseline
+    adv_scale: str = "group"  # A1: "group": / the group std (z-score); "batch": / the batch std; "none" (Dr. GRPO)
     adv_std_floor: float = 1e-4  # A2: the std is floored at this before dividing
     adv_zero_std_groups: bool = False  # A2: True = groups with std < adv_std_floor get advantage 0 (a common variant)
     adv_clip: float = 0.0  # A3: clamp advantages to +-adv_clip after normalising; 0 = off (5 binary, 3 continuous)
@@ -121,11 +123,21 @@ class Config:
     clip_eps_high: float = 0.0  # L1: upper clip 1 + eps_high (DAPO clip-higher, e.g. 0.28); 0 = same as clip_eps
     loss_agg: str = "token-mean"  # L2: "token-mean" | "seq-mean" (paper) | "dr-grpo" (sum / (seqs x max_completion))
     ratio_level: str = "token"  # L8: "token" | "sequence" (GSPO; use clip_eps ~3e-4 and seq-mean with it)
+    # CISPO (MiniMax-M1): a stop-gradient clipped weight on A log pi; SAPO (Qwen): a soft gate; GPG: -A log pi
+    policy_loss: str = "clip"  # L1: "clip" (PPO, GRPO) | "cispo" | "sapo" | "gpg" (loss.grpo_loss)
+    dual_clip: float = 0.0  # L1: with "clip", a token with A < 0 loses at most dual_clip * |A| (verl clip_ratio_c, 3)
+    sapo_tau_pos: float = 1.0  # L1: SAPO's gate temperature for A > 0 (verl tau_pos)
+    sapo_tau_neg: float = 1.05  # L1: SAPO's gate temperature for A < 0 (verl tau_neg)
     beta: float = 0.001  # L4: weight of the k3 KL to the reference (ms-swift: 0.001); 0 = no reference model
+    kl_estimator: str = "k3"  # L4: "k3" (unbiased, low variance) | "k1" (log ratio) | "k2" (squared log ratio / 2)
     entropy_coef: float = 0.0  # L5: entropy bonus 1e-4..1e-3; 0 = off (verl entropy_coeff)
     # num_iterations is verl's ppo_epochs only when verl's ppo_mini_batch_size is the whole batch (one optimizer
     # step per epoch, as here)
     num_iterations: int = 1  # L7: update epochs over one batch; 1 = on-policy, the ratio exactly 1 (TRL num_iterations)
+    # TRL steps_per_generation; verl ppo_mini_batch_size = batch_size / mini_batches
+    mini_batches: int = 1  # L7: optimizer steps per epoch, each on 1/mini_batches of the batch's groups; 1 = one step
+    # "Beyond the 80/20 Rule" (Wang et al. 2025), TRL top_entropy_quantile; costs a no-grad pass over the batch
+    entropy_top_quantile: float = 0.0  # L5: only this top share of the batch's tokens by entropy get the PG; 0 = off
 
     # ---- reference model (F1) ----
     ref_offload: bool = False  # F1: keep the reference on the CPU between its once-per-batch passes
@@ -180,7 +192,10 @@ REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_pen
                "length_penalty", "length_penalty_tokens", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
 CHOICES = {
-    "adv_scale": ("group", "none"),
+    "adv_scale": ("group", "batch", "none"),
+    "adv_baseline": ("mean", "leave-one-out"),
+    "policy_loss": ("clip", "cispo", "sapo", "gpg"),
+    "kl_estimator": ("k3", "k1", "k2"),
     "loss_agg": ("token-mean", "seq-mean", "dr-grpo"),
     "ratio_level": ("token", "sequence"),
     "dtype": ("auto", "bfloat16", "float32"),
@@ -416,13 +431,25 @@ def validate(cfg):
         raise ConfigError(f"clip_eps={cfg.clip_eps} must be in (0, 1); 0.2 is standard (L1)")
     if cfg.clip_eps_high and not cfg.clip_eps <= cfg.clip_eps_high < 10:
         raise ConfigError(f"clip_eps_high={cfg.clip_eps_high} must be >= clip_eps={cfg.clip_eps} (or 0 = same)")
+    if cfg.prompts_per_step % cfg.mini_batches:
+        raise ConfigError(f"mini_batches={cfg.mini_batches} must divide the {cfg.prompts_per_step} prompts of a step "
+                          "(batch_size / group_size): each mini-batch takes whole groups")
+    if not 0 <= cfg.entropy_top_quantile < 1:
+        raise ConfigError(f"entropy_top_quantile={cfg.entropy_top_quantile} must be in [0, 1); 0.2 keeps the top 20% "
+                          "of tokens by entropy, 0 = off")
+    if cfg.dual_clip and (cfg.dual_clip <= 1 or cfg.policy_loss != "clip"):
+        raise ConfigError(f"dual_clip={cfg.dual_clip} bounds PPO's clipped loss: use a value > 1 (3 is usual) with "
+                          f"policy_loss='clip' (now {cfg.policy_loss!r}), or 0 = off")
+    if cfg.sapo_tau_pos <= 0 or cfg.sapo_tau_neg <= 0:
+        raise ConfigError(f"sapo_tau_pos={cfg.sapo_tau_pos}, sapo_tau_neg={cfg.sapo_tau_neg} must be > 0 (1.0, 1.05)")
     if cfg.beta < 0 or cfg.beta > 1:
         raise ConfigError(f"beta={cfg.beta} must be in [0, 1]; 0.001-0.04 is usual, 0 drops the reference (L4)")
     if cfg.adaptive_kl and cfg.beta == 0:
         raise ConfigError("adaptive_kl=True scales beta, but beta=0; set beta > 0 (e.g. 0.001) or adaptive_kl=False")
     if cfg.kl_low >= cfg.kl_high:
         raise ConfigError(f"kl_low={cfg.kl_low} must be below kl_high={cfg.kl_high} (F2)")
-    for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations", "kl_window", "train_size",
+    for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations", "mini_batches", "kl_window",
+                 "train_size",
                  "eval_k", "max_nonfinite", "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha", "push_bucket_mb",
                  "test_size", "countdown_max_number", "countdown_max_target", "math_max_number",
                  "length_penalty_tokens"):
@@ -465,9 +492,15 @@ def warn_misleading(cfg):
         if cfg.clip_eps > 0.01:
             warnings.warn(f"ratio_level='sequence' with clip_eps={cfg.clip_eps}: a geometric-mean ratio almost never "
                           "leaves 1 +- 0.2, so nothing is clipped; GSPO uses clip_eps=3e-4, clip_eps_high=4e-4")
-        if cfg.num_iterations == 1:
+        if cfg.num_iterations == 1 and cfg.mini_batches == 1:
             warnings.warn("ratio_level='sequence' with num_iterations=1: every ratio is exactly 1, so the gradient "
-                          "equals the token-level one; GSPO differs only when num_iterations > 1")
+                          "equals the token-level one; GSPO differs only when num_iterations > 1 or mini_batches > 1")
+    variant = [f"policy_loss={cfg.policy_loss!r}"] * (cfg.policy_loss != "clip") + [f"dual_clip={cfg.dual_clip}"] * (
+        cfg.dual_clip > 0)
+    if variant and cfg.num_iterations == 1 and cfg.mini_batches == 1:  # L1, L7
+        warnings.warn(f"{', '.join(variant)} with one optimizer step per batch: every ratio is exactly 1, where CISPO, "
+                      "SAPO, GPG and dual-clip all give GRPO's gradient; they differ from the second step on a batch "
+                      "on (num_iterations > 1 or mini_batches > 1)")
     if cfg.top_p < 1 or cfg.top_k > 0:
         warnings.warn(f"top_p={cfg.top_p}, top_k={cfg.top_k}: the sampler's logprobs are renormalised over the kept "
                       "tokens while the trainer's are over the whole vocabulary, so the two sides of the ratio (and "

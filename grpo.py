@@ -11,8 +11,8 @@ Each step, as main() runs it, one named function a phase:
     engine.sleep         its GPU memory goes to the update (R1)
     group_advantages     each completion's reward against its own group's (A1-A3): GRPO's baseline
     prepare_update       padded tensors, response masks, micro-batches, global token counts (L2, L3, O3)
-    old_and_ref_logprobs the old and the reference policy's logprobs, once per batch (F1, L7)
-    update_policy        PPO-clipped policy-gradient epochs over the micro-batches (L1-L7, O1, O2)
+    old_and_ref_logprobs the old and the reference policy's logprobs, once per batch (F1, L5, L7)
+    update_policy        PPO-clipped policy-gradient epochs; each a step per mini-batch (L1-L7, O1, O2)
     adapt_beta           the KL weight follows the measured KL (F2)
     step_metrics, end_step   log (M1), eval (M2), checkpoint
 
@@ -49,7 +49,7 @@ from advantage import group_advantages, group_stats
 from config import ConfigError, config_from_argv, save_config
 from data.files import DataError
 from data.sampler import CurriculumSampler, PromptSampler
-from loss import adaptive_kl_beta, grpo_loss, logprobs_and_entropy, lr_at, sampler_is_weights
+from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, logprobs_and_entropy, lr_at, sampler_is_weights
 from model import BUILT_HERE, check_model_source, load_policy, model_path, push_weights_iter
 from preflight import preflight
 from rollout import HFEngine, VLLMEngine, vllm_available
@@ -211,40 +211,68 @@ def micro_batches(lengths, budget):
 
 
 @dataclass
+class MiniBatch:
+    """The rows of one optimizer step: their micro-batches, and the global counts its loss divides by."""
+
+    micro: list  # micro-batches: lists of row indices (O3)
+    num_tokens: int  # response tokens of the global mini-batch: the token-mean denominator (L2)
+    num_seqs: int  # completions of the global mini-batch (seq-mean, dr-grpo)
+
+
+@dataclass
 class UpdateBatch:
-    """This rank's rows as the update consumes them, and the global counts its loss divides by."""
+    """This rank's rows as the update consumes them."""
 
     ids: torch.Tensor  # (N, L) prompt + completion, right-padded
     attention: torch.Tensor  # (N, L)
     mask: torch.Tensor  # (N, L-1) 1 on response tokens (L3, R6)
     sampler_lp: torch.Tensor  # (N, L-1) the engine's logprobs of the sampled tokens (R2)
     advantages: torch.Tensor  # (N,)
-    micro: list  # micro-batches: lists of row indices (O3)
-    num_tokens: int  # response tokens of the global batch: the token-mean denominator (L2)
-    num_seqs: int  # completions of the global batch (seq-mean, dr-grpo)
+    minis: list  # MiniBatch per optimizer step of an epoch: one, or mini_batches of them (L7)
     tokens: float  # real tokens of the global batch, and padded: the tokens computed (pad_frac)
     padded: float
     has_sampler_logprobs: bool  # False for greedy samples, or an engine without logprobs
 
+    @property
+    def micro(self):
+        """Every micro-batch of the batch, for the no-grad passes over all of it."""
+        return [mb for mini in self.minis for mb in mini.micro]
+
+    @property
+    def num_tokens(self):
+        """Response tokens of the global batch."""
+        return sum(mini.num_tokens for mini in self.minis)
+
+
+def mini_batch_rows(num_rows, G, mini_batches, first_group):
+    """Row indices of each mini-batch: global group g goes to mini-batch g % mini_batches, so N ranks split the
+    batch exactly as one process does (first_group: the global index of this rank's first group)."""
+    return [[g * G + j for g in range(num_rows // G) if (first_group + g) % mini_batches == k for j in range(G)]
+            for k in range(mini_batches)]
+
 
 def prepare_update(batch, advantages, cfg, pad_id, device):
-    """Padded tensors, response masks, micro-batches under the token budget and global token counts."""
+    """Padded tensors, response masks, mini- and micro-batches under the token budget, global token counts."""
     ids, attention, mask, sampler_lp = pad_batch(batch.completions, pad_id)
     if cfg.mask_truncated:  # R6: a cut-off completion has no final answer to judge; give it no loss
         mask = mask * (1 - batch.truncated)[:, None]
     ids, attention, mask, sampler_lp, advantages = (t.to(device) for t in (ids, attention, mask, sampler_lp,
                                                                             advantages))
-    micro = micro_batches(attention.sum(1).tolist(), cfg.micro_batch_tokens)
+    lengths = attention.sum(1).tolist()
+    first_group = parallel.rank() * (cfg.prompts_per_step // parallel.world())
+    minis = []
+    for rows in mini_batch_rows(len(batch), cfg.group_size, cfg.mini_batches, first_group):
+        micro = [[rows[i] for i in mb] for mb in micro_batches([lengths[r] for r in rows], cfg.micro_batch_tokens)]
+        # L2: token-mean over the response tokens of the whole (global) mini-batch; the batch when mini_batches = 1
+        minis.append(MiniBatch(micro, int(parallel.all_sum(mask[rows].sum())), int(parallel.all_sum(len(rows)))))
     tokens = parallel.all_sum(attention.sum())
-    padded = parallel.all_sum(sum(len(mb) * int(attention[mb].sum(1).max()) for mb in micro))  # tokens computed
-    num_tokens = int(parallel.all_sum(mask.sum()))  # L2: token-mean over the whole (global) batch's response tokens
-    num_seqs = int(parallel.all_sum(len(batch)))
+    padded = parallel.all_sum(sum(len(mb) * max(lengths[r] for r in mb) for mini in minis for mb in mini.micro))
     if parallel.world() > 1:  # FSDP gathers weights in every forward, DDP reduces in backward: equal pass counts
-        (ids, attention, mask, sampler_lp, advantages), micro = parallel.even_micro_batches(
-            (ids, attention, mask, sampler_lp, advantages), micro)
+        for mini in minis:
+            (ids, attention, mask, sampler_lp, advantages), mini.micro = parallel.even_micro_batches(
+                (ids, attention, mask, sampler_lp, advantages), mini.micro)
     has_sampler_logprobs = bool(batch.completions and batch.completions[0].logprobs)
-    return UpdateBatch(ids, attention, mask, sampler_lp, advantages, micro, num_tokens, num_seqs, tokens, padded,
-                       has_sampler_logprobs)
+    return UpdateBatch(ids, attention, mask, sampler_lp, advantages, minis, tokens, padded, has_sampler_logprobs)
 
 
 def forward_logprobs(model, ids, attention, cfg, temperature):
@@ -257,29 +285,47 @@ def forward_logprobs(model, ids, attention, cfg, temperature):
 
 @torch.no_grad()
 def batch_logprobs(model, ub, cfg, temperature):
-    """(N, L-1) logprobs of the whole batch under `model`, no grad: the old or the reference policy (F1, L7)."""
-    out = torch.zeros_like(ub.mask)
+    """(N, L-1) logprobs and entropies of the whole batch under `model`, no grad: the old or the reference (F1, L7)."""
+    logprobs, entropy = torch.zeros_like(ub.mask), torch.zeros_like(ub.mask)
     for mb in ub.micro:
         L = int(ub.attention[mb].sum(1).max())
-        out[mb, : L - 1] = forward_logprobs(model, ub.ids[mb, :L], ub.attention[mb, :L], cfg, temperature)[0]
-    return out
+        logprobs[mb, : L - 1], entropy[mb, : L - 1] = forward_logprobs(model, ub.ids[mb, :L], ub.attention[mb, :L],
+                                                                       cfg, temperature)
+    return logprobs, entropy
+
+
+@dataclass
+class Passes:
+    """What the update needs from no-grad passes over the batch before it starts; None where not needed."""
+
+    old: torch.Tensor = None  # (N, L-1) the sampling policy's logprobs (L7)
+    ref: torch.Tensor = None  # (N, L-1) the reference's (F1, L4)
+    pg_mask: torch.Tensor = None  # (N, L-1) the tokens that get the policy gradient (entropy_top_quantile)
 
 
 def old_and_ref_logprobs(policy, ref, ub, cfg, beta, temperature, times):
-    """The old policy's logprobs (only with num_iterations > 1) and the reference's (only with beta > 0)."""
-    old_lp, ref_lp = None, None  # with one update per batch the old policy is the current one (update_policy)
+    """The old policy's logprobs, the reference's (only with beta > 0), and entropy_top_quantile's token mask.
+
+    The old pass runs only when a batch gets more than one optimizer step (num_iterations or mini_batches > 1:
+    from the second step on the policy is no longer the one that sampled), or when the batch's entropies are
+    needed before the update. With one step per batch the old policy is the current one (update_policy).
+    """
+    passes = Passes()
     with timed(times, "time/old"):
-        if cfg.num_iterations > 1:
-            old_lp = batch_logprobs(policy, ub, cfg, temperature)
+        if cfg.num_iterations > 1 or cfg.mini_batches > 1 or cfg.entropy_top_quantile:
+            passes.old, entropy = batch_logprobs(policy, ub, cfg, temperature)
+            if cfg.entropy_top_quantile:  # "80/20": only the batch's highest-entropy tokens get the policy gradient
+                passes.pg_mask = high_entropy_mask(entropy, ub.mask, cfg.entropy_top_quantile,
+                                                   gather=parallel.all_gather_list)
     with timed(times, "time/ref"):
         if beta > 0 and cfg.lora_rank:  # F1: with LoRA the reference is the base model, adapters disabled
             with policy.disable_adapter():
-                ref_lp = batch_logprobs(policy, ub, cfg, temperature)
+                passes.ref = batch_logprobs(policy, ub, cfg, temperature)[0]
         elif beta > 0:
             ref.to(ub.ids.device)
-            ref_lp = batch_logprobs(ref, ub, cfg, temperature)
+            passes.ref = batch_logprobs(ref, ub, cfg, temperature)[0]
             ref.to("cpu" if cfg.ref_offload else ub.ids.device)
-    return old_lp, ref_lp
+    return passes
 
 
 def set_lr(optimizer, step, cfg):
@@ -307,52 +353,68 @@ def optimizer_step(optimizer, params, loss, grad_clip):
 
 @dataclass
 class Update:
-    """What update_policy reports: the last epoch's global loss and grad norm, and sums over all epochs."""
+    """What update_policy reports: the last epoch's mean global loss, the last grad norm, sums over all epochs."""
 
     loss: float
     grad_norm: torch.Tensor
     skipped: int  # optimizer steps skipped for a non-finite loss or grad norm (L6)
+    steps: int  # optimizer steps taken: num_iterations x mini_batches, less the skipped ones
     sums: dict  # loss metrics summed over micro-batches, each weighted by its token count
-    parity: list  # (sum, max) of |trainer - sampler| logprob per micro-batch of the first epoch (R2)
+    parity: list  # (sum, max) of |pi_old - sampler| logprob per micro-batch (R2)
 
 
-def update_policy(train_model, optimizer, params, ub, old_lp, ref_lp, cfg, temperature, state):
-    """num_iterations epochs over the micro-batches, one optimizer step per epoch (L1-L7, O2)."""
-    sums, parity, skipped, world = {}, [], 0, parallel.world()
+def update_policy(train_model, optimizer, params, ub, passes, cfg, temperature, state):
+    """num_iterations epochs over the batch, each one optimizer step per mini-batch (L1-L7, O2)."""
+    sums, parity, skipped = {}, [], 0
     for epoch in range(cfg.num_iterations):
-        loss_total = 0.0
-        progress = tqdm(ub.micro, desc=f"update {epoch + 1}/{cfg.num_iterations}", leave=False,
-                        disable=not sys.stdout.isatty())
-        for i, mb in enumerate(progress):
-            L = int(ub.attention[mb].sum(1).max())
-            with parallel.no_grad_sync(train_model, last=i == len(ub.micro) - 1):  # DDP decides in the forward
-                lp, entropy = forward_logprobs(train_model, ub.ids[mb, :L], ub.attention[mb, :L], cfg, temperature)
-            mask, sampler_lp = ub.mask[mb, : L - 1], ub.sampler_lp[mb, : L - 1]
-            # with one epoch the old policy is the current one: its own logprobs, detached, with no extra pass
-            old = old_lp[mb, : L - 1] if old_lp is not None else lp.detach()
-            is_weights, is_metrics = None, {}
-            if cfg.is_correction != "off":  # R2: correct for sampling from vLLM's q rather than pi_old
-                cap = cfg.is_cap if cfg.is_correction == "token" else cfg.is_seq_cap
-                is_weights, is_metrics = sampler_is_weights(old, sampler_lp, mask, level=cfg.is_correction,
-                                                            action=cfg.is_mode, cap=cap)
-            loss, mb_metrics = grpo_loss(
-                lp, old, ub.advantages[mb], mask,
-                ref_logprobs=ref_lp[mb, : L - 1] if ref_lp is not None else None, beta=state.beta,
-                clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high_eff, agg=cfg.loss_agg,
-                num_tokens=ub.num_tokens, num_seqs=ub.num_seqs, max_len=cfg.max_completion_len,
-                entropy=entropy, entropy_coef=cfg.entropy_coef, ratio_level=cfg.ratio_level, is_weights=is_weights)
-            # micro-batch losses share the global batch's denominator, so gradients add up (L2); DDP and
-            # FSDP average gradients over ranks, where the batch's gradient is their sum: hence x world
-            (loss * world).backward()
-            loss_total += loss.item()
-            add_token_weighted(sums, {**mb_metrics, **is_metrics})
-            if epoch == 0 and ub.has_sampler_logprobs:  # R2: sampler vs trainer, on the same weights
-                diff = (lp.detach() - sampler_lp).abs() * mask
-                parity.append((diff.sum().item(), diff.max().item()))
-        loss_total = parallel.all_sum(loss_total)  # the global loss: every rank skips or steps alike
-        grad_norm, stepped = optimizer_step(optimizer, params, loss_total, cfg.grad_clip)
-        skipped += count_nonfinite(stepped, state, cfg, loss_total, grad_norm)
-    return Update(loss_total, grad_norm, skipped, sums, parity)
+        losses = []
+        for k, mini in enumerate(ub.minis):  # mini_batches > 1: TRL's steps_per_generation, verl's ppo_mini_batch
+            desc = f"update {epoch + 1}/{cfg.num_iterations}" + (f", mini-batch {k + 1}/{len(ub.minis)}" * (
+                len(ub.minis) > 1))
+            loss = accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state, sums,
+                                        parity if epoch == 0 else None, desc)
+            loss = parallel.all_sum(loss)  # the global loss: every rank skips or steps alike
+            grad_norm, stepped = optimizer_step(optimizer, params, loss, cfg.grad_clip)
+            skipped += count_nonfinite(stepped, state, cfg, loss, grad_norm)
+            losses.append(loss)
+    steps = cfg.num_iterations * len(ub.minis) - skipped
+    return Update(sum(losses) / len(losses), grad_norm, skipped, steps, sums, parity)
+
+
+def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state, sums, parity, desc):
+    """Forward and backward over one mini-batch's micro-batches; returns this rank's share of its loss."""
+    loss_total, world = 0.0, parallel.world()
+    for i, mb in enumerate(tqdm(mini.micro, desc=desc, leave=False, disable=not sys.stdout.isatty())):
+        L = int(ub.attention[mb].sum(1).max())
+        with parallel.no_grad_sync(train_model, last=i == len(mini.micro) - 1):  # DDP decides in the forward
+            lp, entropy = forward_logprobs(train_model, ub.ids[mb, :L], ub.attention[mb, :L], cfg, temperature)
+        mask, sampler_lp = ub.mask[mb, : L - 1], ub.sampler_lp[mb, : L - 1]
+        # with one optimizer step per batch the old policy is the current one: its own logprobs, detached, with
+        # no extra pass; from the second step on (num_iterations or mini_batches > 1) the ratio and the clip act
+        old = passes.old[mb, : L - 1] if passes.old is not None else lp.detach()
+        is_weights, is_metrics = None, {}
+        if cfg.is_correction != "off":  # R2: correct for sampling from vLLM's q rather than pi_old
+            cap = cfg.is_cap if cfg.is_correction == "token" else cfg.is_seq_cap
+            is_weights, is_metrics = sampler_is_weights(old, sampler_lp, mask, level=cfg.is_correction,
+                                                        action=cfg.is_mode, cap=cap)
+        loss, mb_metrics = grpo_loss(
+            lp, old, ub.advantages[mb], mask,
+            ref_logprobs=passes.ref[mb, : L - 1] if passes.ref is not None else None, beta=state.beta,
+            clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high_eff, agg=cfg.loss_agg,
+            num_tokens=mini.num_tokens, num_seqs=mini.num_seqs, max_len=cfg.max_completion_len,
+            entropy=entropy, entropy_coef=cfg.entropy_coef, ratio_level=cfg.ratio_level, is_weights=is_weights,
+            policy_loss=cfg.policy_loss, dual_clip=cfg.dual_clip, sapo_tau_pos=cfg.sapo_tau_pos,
+            sapo_tau_neg=cfg.sapo_tau_neg, kl_estimator=cfg.kl_estimator,
+            pg_mask=passes.pg_mask[mb, : L - 1] if passes.pg_mask is not None else None)
+        # micro-batch losses share the global mini-batch's denominator, so gradients add up (L2); DDP and
+        # FSDP average gradients over ranks, where the mini-batch's gradient is their sum: hence x world
+        (loss * world).backward()
+        loss_total += loss.item()
+        add_token_weighted(sums, {**mb_metrics, **is_metrics})
+        if parity is not None and ub.has_sampler_logprobs:  # R2: the sampler against pi_old, on the same weights
+            diff = (old - sampler_lp).abs() * mask
+            parity.append((diff.sum().item(), diff.max().item()))
+    return loss_total
 
 
 def add_token_weighted(sums, metrics):
@@ -456,9 +518,10 @@ def step_metrics(update, ub, lr):
         "grad_norm": update.grad_norm.item(),
         "lr": lr,
         "skipped_updates": update.skipped,
+        "optimizer_steps": update.steps,
     }
     for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy", "is_weight_mean",
-              "is_limited_frac"):
+              "is_limited_frac", "dual_clip_frac", "pg_token_frac"):
         if k in sums:
             out[k] = sums[k] / n_tok
     has_parity = parallel.all_max(len(update.parity)) > 0
@@ -809,17 +872,18 @@ def main(argv, wrap_engine=lambda engine: engine):
             continue
 
         # ---- advantages relative to each prompt's group (A1-A3): GRPO's replacement for a value network
-        advantages = group_advantages(batch.rewards, G, scale=cfg.adv_scale, std_floor=cfg.adv_std_floor,
-                                      zero_std_groups=cfg.adv_zero_std_groups, clip=cfg.adv_clip)  # (N,) this rank's
+        advantages = group_advantages(batch.rewards, G, baseline=cfg.adv_baseline, scale=cfg.adv_scale,
+                                      std_floor=cfg.adv_std_floor, zero_std_groups=cfg.adv_zero_std_groups,
+                                      clip=cfg.adv_clip, batch_sum=parallel.all_sum)  # (N,) this rank's
 
         # ---- tensors, masks, micro-batches; the old and reference logprobs once per batch (F1, L7)
         ub = prepare_update(batch, advantages, cfg, tokenizer.pad_token_id, device)
-        old_lp, ref_lp = old_and_ref_logprobs(policy, ref, ub, cfg, state.beta, temperature, times)
+        passes = old_and_ref_logprobs(policy, ref, ub, cfg, state.beta, temperature, times)
 
         # ---- the update: num_iterations epochs of micro-batches, one optimizer step each (L1-L7, O1, O2)
         lr = set_lr(optimizer, step, cfg)
         with timed(times, "time/update"):
-            update = update_policy(train_model, optimizer, params, ub, old_lp, ref_lp, cfg, temperature, state)
+            update = update_policy(train_model, optimizer, params, ub, passes, cfg, temperature, state)
         if cfg.ref_refresh_steps and (step + 1) % cfg.ref_refresh_steps == 0:  # F1: the reference catches up
             ref.load_state_dict(policy.state_dict())  # under FSDP2: shard to shard, both sharded alike
         state.step = step + 1

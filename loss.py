@@ -6,6 +6,8 @@ Per response token t of completion i, with r = pi_new(t) / pi_old(t) and A_i the
              + beta * k3(pi_ref || pi_new)                        # L4, KL to the reference
              - entropy_coef * H_t                                 # L5, entropy bonus
 
+(policy_loss swaps the first line for CISPO's, SAPO's or GPG's; kl_estimator the second for k1 or k2)
+
 then averaged over the response tokens of the whole batch (L2). Everything here is pure:
 tensors in, a loss and a dict of floats out.
 """
@@ -106,6 +108,12 @@ def grpo_loss(
     entropy_coef=0.0,
     ratio_level="token",
     is_weights=None,
+    policy_loss="clip",
+    dual_clip=0.0,
+    sapo_tau_pos=1.0,
+    sapo_tau_neg=1.05,
+    kl_estimator="k3",
+    pg_mask=None,
 ):
     """Clipped-surrogate GRPO loss of one (micro-)batch and its metrics.
 
@@ -124,9 +132,22 @@ def grpo_loss(
     ratio_level:  "token" (GRPO) or "sequence" (GSPO, L8: one ratio per completion, the geometric
                   mean of its token ratios, exp(mean_t log r_t)).
     is_weights:   (B, T) or None: multiplies the clipped surrogate of each token (sampler_is_weights).
+    policy_loss:  the policy-gradient term, per token (every aggregation applies to each):
+                  "clip":  -min(r A, clip(r, 1 - eps, 1 + eps_high) A)      PPO (Schulman et al. 2017), GRPO
+                  "cispo": -sg(clip(r, 1 - eps, 1 + eps_high)) A log pi     CISPO (MiniMax-M1, 2025): the clipped
+                           ratio is a stop-gradient weight, so a clipped token keeps its gradient
+                  "sapo":  -(4 / tau) sigmoid(tau (r - 1)) A                SAPO (Qwen, 2025): a soft gate in place
+                           of the hard clip; tau = sapo_tau_pos for A > 0, sapo_tau_neg for A < 0
+                  "gpg":   -A log pi                                       GPG (2025): no ratio, no clip
+    dual_clip:    with "clip", for A < 0 the token's loss is at most dual_clip * |A| (dual-clip PPO, Ye et
+                  al. 2020; verl clip_ratio_c, usually 3): a huge ratio on a bad token cannot blow it up. 0 = off.
+    kl_estimator: "k3" | "k1" | "k2", the KL term's per-token estimator (kl_estimate).
+    pg_mask:      (B, T) bool or None: only these tokens get the policy-gradient term (high_entropy_mask); the
+                  KL and entropy terms still act on every response token, and the token-mean still counts them all.
     Returns (loss, metrics): a scalar tensor and a dict of floats over this micro-batch's tokens.
 
-    Example: one token, logprob = old, A = 2 -> r = 1, loss = -2 with token-mean.
+    Example: one token, logprob = old, A = 2 -> r = 1, loss = -2 with token-mean (and with "cispo" and
+    "gpg" the gradient is the same -2 d log pi; "sapo" gives -(4 / tau) * 0.5 * 2 with the same gradient).
     """
     mask = mask.bool()
     eps_high = clip_eps_high or clip_eps
@@ -140,14 +161,16 @@ def grpo_loss(
     elif ratio_level != "token":
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
     ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, T); zero grad on the clipped side
+    per_token = policy_gradient_term(policy_loss, ratio, torch.where(mask, logprobs, 0.0), adv, clip_eps, eps_high,
+                                     dual_clip, sapo_tau_pos, sapo_tau_neg)  # (B, T)
     if is_weights is not None:  # R2: the tokens came from the sampler, not from pi_old exactly
         per_token = per_token * is_weights.detach()
+    if pg_mask is not None:  # "80/20": the low-entropy tokens get no policy gradient, only the KL's pull
+        per_token = torch.where(pg_mask.bool(), per_token, 0.0)
 
     kl = None
     if ref_logprobs is not None:
-        kl = k3_kl(logprobs, ref_logprobs, mask)  # (B, T)
+        kl = kl_estimate(logprobs, ref_logprobs, mask, kl_estimator)  # (B, T)
         per_token = per_token + beta * kl
     if entropy_coef > 0:
         if entropy is None:
@@ -164,7 +187,51 @@ def grpo_loss(
         loss = per_token.sum() / ((num_seqs or B) * (max_len or T))
     else:
         raise ValueError(f"agg must be 'token-mean', 'seq-mean' or 'dr-grpo', got {agg!r}")
-    return loss, _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy)
+    metrics = _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy)
+    if dual_clip:  # the tokens whose loss dual-clip bounded: A < 0 and r > dual_clip
+        metrics["dual_clip_frac"] = _metrics_mean(mask, (ratio > dual_clip) & (adv < 0))
+    if pg_mask is not None:  # the share of response tokens that got the policy gradient
+        metrics["pg_token_frac"] = _metrics_mean(mask, pg_mask.bool())
+    return loss, metrics
+
+
+def policy_gradient_term(policy_loss, ratio, logprobs, adv, clip_eps, eps_high, dual_clip, tau_pos, tau_neg):
+    """Per-token policy-gradient loss of grpo_loss's policy_loss; (B, T) ratio and logprobs, (B, 1) adv."""
+    if policy_loss == "clip":
+        clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)
+        per_token = -torch.min(ratio * adv, clipped * adv)  # zero grad on the clipped side
+        if dual_clip:  # dual-clip PPO: for A < 0, at most dual_clip * |A| (and no gradient past it)
+            per_token = torch.where(adv < 0, per_token.clamp(max=-dual_clip * adv), per_token)
+        return per_token
+    if policy_loss == "cispo":  # the weight is detached: d loss = -w A d log pi, clipped or not
+        return -ratio.clamp(1 - clip_eps, 1 + eps_high).detach() * adv * logprobs
+    if policy_loss == "sapo":  # gate'(1) = 1: near r = 1 SAPO's gradient is the plain ratio's
+        tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))  # (B, 1)
+        return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+    if policy_loss == "gpg":
+        return -adv * logprobs
+    raise ValueError(f"policy_loss must be 'clip', 'cispo', 'sapo' or 'gpg', got {policy_loss!r}")
+
+
+def kl_estimate(logprobs, ref_logprobs, mask, estimator="k3"):
+    """Per-token estimate of KL(pi_new || pi_ref) from samples of pi_new (Schulman, "Approximating KL
+    divergence", 2020), d = log pi_ref - log pi_new; (B, T) in, (B, T) out, 0 where mask is 0 (L4).
+
+      k1 = -d:                unbiased, high variance, negative on some tokens; as a loss its gradient is
+                              the score function alone, 0 in expectation on-policy (it barely pulls back)
+      k2 = d^2 / 2:           biased, low variance, >= 0; as a loss its expected gradient is the KL's
+      k3 = exp(d) - d - 1:    unbiased, low variance, >= 0 (the GRPO paper's; verl low_var_kl, clamped)
+
+    Example: d = ln 2 -> k1 = -0.693, k2 = 0.240, k3 = 0.307.
+    """
+    if estimator == "k3":
+        return k3_kl(logprobs, ref_logprobs, mask)
+    d = torch.where(mask, ref_logprobs.detach() - logprobs, 0.0)
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    raise ValueError(f"kl_estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
 
 
 def k3_kl(logprobs, ref_logprobs, mask):
@@ -186,12 +253,19 @@ K3_LOG_CLAMP, K3_MAX = 20.0, 10.0  # verl's low_var_kl bounds
 
 
 @torch.no_grad()
+def _metrics_mean(mask, x):
+    """The mean of x over the mask's tokens, 0.0 for an empty mask."""
+    n = mask.sum().item()
+    return torch.where(mask, x.float(), 0.0).sum().item() / n if n else 0.0
+
+
+@torch.no_grad()
 def _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy):
     """Token means over the mask (0.0 for an empty mask) and the token count, to weight them."""
     n = mask.sum().item()
 
     def mean(x):
-        return (torch.where(mask, x.float(), 0.0).sum().item() / n) if n else 0.0
+        return _metrics_mean(mask, x)
 
     out = {
         "clip_frac_low": mean((ratio < 1 - clip_eps) & (adv < 0)),  # clipped and the clip is active
@@ -205,6 +279,25 @@ def _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy):
     if entropy is not None:
         out["entropy"] = mean(entropy)
     return out
+
+
+def high_entropy_mask(entropy, mask, top_quantile, gather=None):
+    """The response tokens whose entropy is in the top `top_quantile` share of the batch's (Wang et al. 2025,
+    "Beyond the 80/20 Rule": the high-entropy "forking" tokens carry the learning; TRL top_entropy_quantile).
+
+    entropy, mask: (B, T). gather: a function that concatenates a list over ranks (parallel.all_gather_list),
+    so the threshold is the global batch's; None = this batch alone. Returns (B, T) bool.
+    Example: entropies [0.1, 0.5, 0.9, 2.0], top_quantile 0.5 -> the threshold is their median 0.7 ->
+    [False, False, True, True].
+    """
+    mask = mask.bool()
+    values = entropy[mask].float()
+    if gather is not None:
+        values = torch.tensor(gather(values.tolist()), dtype=torch.float32)
+    if values.numel() == 0:
+        return mask
+    threshold = torch.quantile(values, 1 - top_quantile)  # linear interpolation between order statistics
+    return mask & (entropy >= threshold.to(entropy.device))
 
 
 # ---------------------------------------------------------------- sampler/trainer mismatch (R2)

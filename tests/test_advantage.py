@@ -102,7 +102,9 @@ def test_bad_shape_says_what_is_wrong():
     with pytest.raises(ValueError, match="num_prompts"):
         group_advantages(torch.zeros(10), 4)
     with pytest.raises(ValueError, match="scale"):
-        group_advantages(torch.zeros(4), 4, scale="batch")
+        group_advantages(torch.zeros(4), 4, scale="global")
+    with pytest.raises(ValueError, match="baseline"):
+        group_advantages(torch.zeros(4), 4, baseline="median")
 
 
 def test_group_stats_hand_worked():
@@ -121,3 +123,64 @@ def test_group_stats_pass_rate_from_correct():
     stats = group_stats(rewards, 2, correct=correct)
     assert stats["pass_rate"].tolist() == [0.5, 0.0]
     assert stats["effective_group_ratio"] == 1.0
+
+
+# ---------------------------------------------------------------- RLOO's baseline and the batch std
+
+
+def naive_rloo(rewards, G):
+    """Each completion against the mean of the other G - 1 in its group, one at a time."""
+    out = []
+    for start in range(0, len(rewards), G):
+        group = rewards[start : start + G]
+        for i, r in enumerate(group):
+            others = group[:i] + group[i + 1 :]
+            out.append(r - sum(others) / (G - 1))
+    return out
+
+
+def test_every_baseline_and_scale_on_one_group_hand_worked():
+    """The table in group_advantages' docstring, for rewards [1, 0, 0, 0]."""
+    r = torch.tensor([1.0, 0, 0, 0])
+    want = {("mean", "group"): [1.5, -0.5, -0.5, -0.5], ("mean", "batch"): [1.5, -0.5, -0.5, -0.5],
+            ("mean", "none"): [0.75, -0.25, -0.25, -0.25], ("leave-one-out", "group"): [2, -2 / 3, -2 / 3, -2 / 3],
+            ("leave-one-out", "batch"): [1.5, -0.5, -0.5, -0.5], ("leave-one-out", "none"): [1, -1 / 3, -1 / 3, -1 / 3]}
+    for (baseline, scale), expected in want.items():
+        assert group_advantages(r, 4, baseline=baseline, scale=scale).tolist() == pytest.approx(expected)
+
+
+def test_leave_one_out_against_a_naive_loop_and_it_sums_to_zero():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(6 * 5, generator=g)
+    adv = group_advantages(rewards, 5, baseline="leave-one-out", scale="none")
+    assert adv.tolist() == pytest.approx(naive_rloo(rewards.tolist(), 5), abs=1e-6)
+    assert adv.view(6, 5).sum(dim=1).abs().max() < 1e-6  # RLOO advantages sum to 0 in every group
+    # = the mean baseline's times G / (G - 1)
+    assert adv.tolist() == pytest.approx((group_advantages(rewards, 5, scale="none") * 5 / 4).tolist(), abs=1e-6)
+
+
+def test_batch_scale_divides_by_the_std_of_the_whole_batch():
+    rewards = torch.tensor([1.0, 0, 0, 0, 3, 1, 2, 2])
+    centred = group_advantages(rewards, 4, scale="none")  # [.75 -.25 -.25 -.25 1 -1 0 0]
+    std = statistics.stdev(centred.tolist())
+    assert group_advantages(rewards, 4, scale="batch").tolist() == pytest.approx((centred / std).tolist())
+    # a group's own std no longer matters: the two groups' advantages keep their raw ratio
+    batch = group_advantages(rewards, 4, scale="batch")
+    assert batch[4].item() / batch[0].item() == pytest.approx(1 / 0.75)
+
+
+def test_batch_std_over_two_ranks_is_the_one_process_std():
+    """Under torchrun each rank holds some groups; batch_sum (parallel.all_sum) makes the std the global one."""
+    rewards = torch.tensor([1.0, 0, 0, 0, 3, 1, 2, 2, 5, 5, 0, 1])
+    one = group_advantages(rewards, 4, scale="batch", baseline="leave-one-out")
+    halves = rewards[:4], rewards[4:]
+    centred = [group_advantages(h, 4, scale="none", baseline="leave-one-out") for h in halves]
+    stats = [(c.numel(), c.sum().item(), (c.double() ** 2).sum().item()) for c in centred]
+    for rank in (0, 1):
+        calls = iter(range(3))  # batch_std sums n, then sum, then sum of squares
+
+        def all_sum(x, rank=rank, calls=calls):
+            return x + stats[1 - rank][next(calls)]  # this rank's share plus the other rank's
+
+        got = group_advantages(halves[rank], 4, scale="batch", baseline="leave-one-out", batch_sum=all_sum)
+        assert got.tolist() == pytest.approx(one[:4].tolist() if rank == 0 else one[4:].tolist())

@@ -375,3 +375,62 @@ def test_bf16_rounding_alone_does_not_warn(tmp_path, capsys):
     gaps = [m["sampler_logprob_diff_mean"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
     assert all(1e-4 < g < config.PARITY_WARN["bfloat16"] for g in gaps), gaps
     assert "warning: step" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the loss and advantage variants in the loop
+
+VARIANT_RUN = ["--engine=hf", "--max_steps=2", "--eval_every=0", "--num_iterations=2", "--beta=0.01",
+               "--sample_every=1", "--sample_groups=4"]  # two epochs: the ratio leaves 1, so the variants differ
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain")
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={out}", *VARIANT_RUN])
+    return read_jsonl(out / "metrics.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [["--adv_baseline=leave-one-out"], ["--adv_scale=batch"], ["--policy_loss=cispo"],
+                                     ["--policy_loss=sapo", "--sapo_tau_pos=2", "--sapo_tau_neg=3"],
+                                     ["--policy_loss=gpg"], ["--dual_clip=1.5"], ["--kl_estimator=k1"],
+                                     ["--kl_estimator=k2"], ["--mini_batches=2"], ["--entropy_top_quantile=0.2"]],
+                         ids=lambda v: ",".join(x[2:] for x in v))
+def test_each_loss_and_advantage_variant_trains_and_shows_its_effect(tmp_path, plain_run, variant):
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", *VARIANT_RUN, *variant])
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in metrics)
+    assert metrics[0]["reward"] == plain_run[0]["reward"]  # step 0 samples before any update: the same groups
+    name, value = variant[0][2:].split("=")
+    groups = [s for s in read_jsonl(tmp_path / "samples.jsonl") if s["step"] == 0]
+    groups = [groups[i : i + 4] for i in range(0, len(groups), 4)]  # G = 4
+    if name == "adv_baseline":  # RLOO: G / (G - 1) times the centred reward, over the group's std
+        for g in groups:
+            r = [s["reward"] for s in g]
+            std = max(torch.tensor(r).std().item(), 1e-4)
+            assert [s["advantage"] for s in g] == pytest.approx([4 / 3 * (x - sum(r) / 4) / std for x in r], abs=1e-5)
+    elif name == "adv_scale":  # one std for the whole batch: advantage / centred reward is the same in every group
+        factors = {round(s["advantage"] / (s["reward"] - sum(x["reward"] for x in g) / 4), 4)
+                   for g in groups for s in g if abs(s["reward"] - sum(x["reward"] for x in g) / 4) > 1e-3}
+        assert len(factors) == 1
+    elif name == "policy_loss":
+        assert metrics[0]["loss"] != pytest.approx(plain_run[0]["loss"], abs=1e-6)
+    elif name == "dual_clip":
+        assert all(0 <= m["dual_clip_frac"] <= 1 for m in metrics)
+    elif name == "kl_estimator":  # the same tokens and weights at step 0, another estimate of their KL
+        assert metrics[0]["kl"] != pytest.approx(plain_run[0]["kl"], abs=1e-9)
+    elif name == "mini_batches":  # 2 epochs x 2 mini-batches; the second step already sees a moved policy
+        assert all(m["optimizer_steps"] == 4 for m in metrics) and plain_run[0]["optimizer_steps"] == 2
+        assert all(m["approx_kl_old"] > 0 for m in metrics)
+    elif name == "entropy_top_quantile":  # the policy gradient reaches the top 20% of tokens by entropy
+        assert all(0.2 <= m["pg_token_frac"] < 0.3 for m in metrics) and "pg_token_frac" not in plain_run[0]
+
+
+def test_mini_batches_split_by_global_group_so_n_ranks_split_as_one():
+    """Group g goes to mini-batch g % M: the union over ranks of each rank's mini-batch k is one process's."""
+    one = grpo.mini_batch_rows(8, 2, 2, first_group=0)  # 4 groups of G = 2
+    assert one == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    rank0, rank1 = grpo.mini_batch_rows(4, 2, 2, first_group=0), grpo.mini_batch_rows(4, 2, 2, first_group=2)
+    for k in range(2):
+        assert sorted(rank0[k] + [4 + r for r in rank1[k]]) == one[k]  # rank 1's rows are global rows 4..7
+    assert grpo.mini_batch_rows(6, 2, 1, first_group=0) == [[0, 1, 2, 3, 4, 5]]

@@ -241,7 +241,26 @@ def test_metrics_hand_worked():
 # ---------------------------------------------------------------- the loss against a naive loop
 
 
-def naive_loss(lp, old, adv, mask, ref, beta, eps, eps_high, agg, num_seqs, max_len):
+def naive_policy_term(policy_loss, lp, r, a, eps, eps_high, dual_clip=0.0, tau_pos=1.0, tau_neg=1.05):
+    """One token's policy-gradient loss, as each paper writes it (the value; CISPO's weight is a constant)."""
+    clipped = min(max(r, 1 - eps), 1 + eps_high)
+    if policy_loss == "clip":
+        val = -min(r * a, clipped * a)
+        return min(val, -dual_clip * a) if dual_clip and a < 0 else val
+    if policy_loss == "cispo":
+        return -clipped * a * lp
+    if policy_loss == "sapo":
+        tau = tau_pos if a > 0 else tau_neg
+        return -(4 / tau) * a / (1 + math.exp(-tau * (r - 1)))
+    return -a * lp  # gpg
+
+
+def naive_kl(d, estimator):
+    return {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - d - 1}[estimator]
+
+
+def naive_loss(lp, old, adv, mask, ref, beta, eps, eps_high, agg, num_seqs, max_len, policy_loss="clip",
+               dual_clip=0.0, kl_estimator="k3"):
     """Element by element, exactly the formula in loss.py's docstring."""
     per_seq, total, count = [], 0.0, 0
     for i in range(len(lp)):
@@ -250,10 +269,9 @@ def naive_loss(lp, old, adv, mask, ref, beta, eps, eps_high, agg, num_seqs, max_
             if not mask[i][t]:
                 continue
             r = math.exp(lp[i][t] - old[i][t])
-            val = -min(r * adv[i], min(max(r, 1 - eps), 1 + eps_high) * adv[i])
+            val = naive_policy_term(policy_loss, lp[i][t], r, adv[i], eps, eps_high, dual_clip)
             if ref is not None:
-                d = ref[i][t] - lp[i][t]
-                val += beta * (math.exp(d) - d - 1)
+                val += beta * naive_kl(ref[i][t] - lp[i][t], kl_estimator)
             seq_sum, n = seq_sum + val, n + 1
         per_seq.append(seq_sum / max(n, 1))
         total, count = total + seq_sum, count + n
@@ -267,7 +285,10 @@ def naive_loss(lp, old, adv, mask, ref, beta, eps, eps_high, agg, num_seqs, max_
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "dr-grpo"])
 @pytest.mark.parametrize("with_ref", [False, True])
 @pytest.mark.parametrize("eps_high", [None, 0.28])
-def test_matches_naive_loop(agg, with_ref, eps_high):
+@pytest.mark.parametrize("policy_loss, dual_clip, kl_estimator", [("clip", 0.0, "k3"), ("clip", 1.5, "k1"),
+                                                                  ("cispo", 0.0, "k2"), ("sapo", 0.0, "k3"),
+                                                                  ("gpg", 0.0, "k3")])
+def test_matches_naive_loop(agg, with_ref, eps_high, policy_loss, dual_clip, kl_estimator):
     torch.manual_seed(5)
     B, T = 6, 9
     lp = -torch.rand(B, T, dtype=torch.float64) * 3
@@ -276,10 +297,11 @@ def test_matches_naive_loop(agg, with_ref, eps_high):
     adv = torch.randn(B, dtype=torch.float64)
     lengths = torch.tensor([9, 1, 4, 7, 2, 5])
     mask = torch.arange(T)[None, :] < lengths[:, None]
-    got, _ = grpo_loss(lp, old, adv, mask, ref_logprobs=ref, beta=0.05, clip_eps_high=eps_high, agg=agg)
+    got, _ = grpo_loss(lp, old, adv, mask, ref_logprobs=ref, beta=0.05, clip_eps_high=eps_high, agg=agg,
+                       policy_loss=policy_loss, dual_clip=dual_clip, kl_estimator=kl_estimator)
     want = naive_loss(
         lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), None if ref is None else ref.tolist(),
-        0.05, 0.2, eps_high or 0.2, agg, B, T,
+        0.05, 0.2, eps_high or 0.2, agg, B, T, policy_loss, dual_clip, kl_estimator,
     )
     assert got.item() == pytest.approx(want, rel=1e-12)
 
@@ -288,7 +310,8 @@ def test_matches_naive_loop(agg, with_ref, eps_high):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "dr-grpo"])
-def test_micro_batches_add_up_to_the_full_batch(agg):
+@pytest.mark.parametrize("policy_loss", ["clip", "cispo", "sapo", "gpg"])
+def test_micro_batches_add_up_to_the_full_batch(agg, policy_loss):
     """Gradient accumulation (L2, O3): shared denominators make micro-batch losses sum to the batch loss."""
     torch.manual_seed(6)
     B, T = 8, 12
@@ -297,7 +320,7 @@ def test_micro_batches_add_up_to_the_full_batch(agg):
     ref = lp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.2
     adv = torch.randn(B, dtype=torch.float64)
     mask = torch.arange(T)[None, :] < torch.randint(1, T + 1, (B,))[:, None]
-    kw = dict(beta=0.04, agg=agg)
+    kw = dict(beta=0.04, agg=agg, policy_loss=policy_loss, dual_clip=2.0 if policy_loss == "clip" else 0.0)
 
     full, _ = grpo_loss(lp, old, adv, mask, ref_logprobs=ref, **kw)
     (full_grad,) = torch.autograd.grad(full, lp)
@@ -317,12 +340,15 @@ def test_micro_batches_add_up_to_the_full_batch(agg):
         assert abs(naive.item() - full.item()) > 1e-3
 
 
-def test_masked_positions_may_hold_minus_inf():
+@pytest.mark.parametrize("policy_loss", ["clip", "cispo", "sapo", "gpg"])
+@pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3"])
+def test_masked_positions_may_hold_minus_inf(policy_loss, kl_estimator):
     lp = torch.tensor([[-0.5, -float("inf")], [-1.0, -2.0]], requires_grad=True)
     old = torch.tensor([[-0.4, -float("inf")], [-1.1, -float("inf")]])
     ref = torch.tensor([[-0.6, -float("inf")], [-0.9, float("nan")]])
     mask = torch.tensor([[1, 0], [1, 0]])
-    loss, m = grpo_loss(lp, old, torch.tensor([1.0, -1.0]), mask, ref_logprobs=ref, beta=0.1)
+    loss, m = grpo_loss(lp, old, torch.tensor([1.0, -1.0]), mask, ref_logprobs=ref, beta=0.1, policy_loss=policy_loss,
+                        dual_clip=3.0 if policy_loss == "clip" else 0.0, kl_estimator=kl_estimator)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
     assert lp.grad[:, 1].tolist() == [0.0, 0.0]  # padding gets no gradient (L3)
@@ -439,3 +465,113 @@ def test_is_weights_scale_the_surrogate_but_not_the_kl():
     loss, _ = grpo_loss(lp, lp.detach(), torch.tensor([0.0]), torch.ones(1, 1), ref_logprobs=ref, beta=1.0,
                         is_weights=torch.tensor([[0.0]]))
     assert loss.item() == pytest.approx(kl_only, abs=1e-6)
+
+
+# ---------------------------------------------------------------- the policy-loss variants and KL estimators
+
+
+def pg(log_ratio, adv, **kw):
+    """(loss, d loss / d logprob) of one token with logprob - old = log_ratio (one_token without the metrics)."""
+    return one_token(log_ratio, adv, **kw)[:2]
+
+
+def test_policy_losses_hand_worked_on_a_clipped_token():
+    """r = 1.5, A = 1, eps = 0.2: the clip takes the token's gradient away, CISPO keeps it, SAPO softens it."""
+    lr = math.log(1.5)
+    assert pg(lr, 1.0) == pytest.approx((-1.2, 0.0))  # -min(1.5, 1.2): clipped, no gradient
+    # CISPO: -sg(1.2) * A * log pi: value -1.2 * ln 1.5, gradient -1.2 (the token still learns)
+    assert pg(lr, 1.0, policy_loss="cispo") == pytest.approx((-1.2 * lr, -1.2))
+    # SAPO, tau 1: -(4) sigmoid(0.5) = -2.4898; gradient -4 s (1 - s) * r = -4 * 0.2350 * 1.5 = -1.4100
+    s = 1 / (1 + math.exp(-0.5))
+    assert pg(lr, 1.0, policy_loss="sapo") == pytest.approx((-4 * s, -4 * s * (1 - s) * 1.5))
+    assert pg(lr, 1.0, policy_loss="gpg") == pytest.approx((-lr, -1.0))  # -A log pi: no ratio at all
+
+
+def test_cispo_keeps_a_gradient_where_the_clip_has_none():
+    for lr, adv in ((math.log(1.5), 1.0), (math.log(0.5), -1.0)):  # above 1 + eps with A > 0, below 1 - eps with A < 0
+        assert pg(lr, adv)[1] == 0.0
+        assert pg(lr, adv, policy_loss="cispo")[1] != 0.0
+
+
+def test_dual_clip_bounds_the_loss_of_a_bad_token_with_a_huge_ratio():
+    lr = math.log(5.0)  # r = 5, A = -1: the clipped surrogate is -min(-5, -1.2) = 5, growing with r
+    assert pg(lr, -1.0) == pytest.approx((5.0, 5.0))
+    assert pg(lr, -1.0, dual_clip=3.0) == pytest.approx((3.0, 0.0))  # at most 3 * |A|, no gradient past it
+    assert pg(math.log(2.0), -1.0, dual_clip=3.0) == pytest.approx((2.0, 2.0))  # under the bound: untouched
+    assert pg(lr, 1.0, dual_clip=3.0) == pg(lr, 1.0)  # A > 0: dual clip does nothing
+    for r in (1.0, 2.0, 10.0, 1e3):
+        assert pg(math.log(r), -2.0, dual_clip=3.0)[0] <= 6.0 + 1e-9
+
+
+@pytest.mark.parametrize("adv", [1.5, -0.7])
+def test_sapo_is_the_plain_ratio_to_first_order_near_one(adv):
+    """gate(r) = (4 / tau) sigmoid(tau (r - 1)) has gate'(1) = 1, so at r = 1 SAPO's gradient is -A, like -r A."""
+    assert pg(0.0, adv, policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)[1] == pytest.approx(-adv)
+    assert pg(0.0, adv, policy_loss="sapo", sapo_tau_pos=3.0, sapo_tau_neg=7.0)[1] == pytest.approx(-adv)
+    # and away from 1 it falls off, where the clip would cut to 0 at once
+    far = pg(math.log(2.0), adv, policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)[1]
+    assert 0 < far / -adv < 2.0 and abs(far) < abs(2.0 * adv)
+
+
+def test_kl_estimators_hand_worked():
+    from loss import kl_estimate
+
+    d = torch.tensor([[math.log(2), -math.log(2), 0.0]])  # d = log pi_ref - log pi
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    z = torch.zeros(1, 3)
+    assert kl_estimate(z, d, mask, "k1").tolist()[0] == pytest.approx([-0.6931, 0.6931, 0.0], abs=1e-4)
+    assert kl_estimate(z, d, mask, "k2").tolist()[0] == pytest.approx([0.2402, 0.2402, 0.0], abs=1e-4)
+    assert kl_estimate(z, d, mask, "k3").tolist()[0] == pytest.approx([0.3069, 0.1931, 0.0], abs=1e-4)
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_estimate(z, d, mask, "k4")
+    with pytest.raises(ValueError, match="policy_loss"):
+        grpo_loss(z, z, torch.ones(1), mask, policy_loss="ppo")
+
+
+def test_kl_estimators_agree_in_expectation_where_they_should():
+    """Sampled from pi, k1 and k3 average to the true KL(pi || ref); k2 is biased but close when they are near."""
+    g = torch.Generator().manual_seed(0)
+    pi = torch.softmax(torch.randn(50, generator=g), 0)
+    ref = torch.softmax(torch.log(pi) + 0.1 * torch.randn(50, generator=g), 0)
+    true_kl = (pi * (pi.log() - ref.log())).sum().item()
+    tokens = torch.multinomial(pi, 200_000, replacement=True, generator=g)
+    lp, rlp = pi.log()[tokens][None], ref.log()[tokens][None]
+    mask = torch.ones_like(lp, dtype=torch.bool)
+    from loss import kl_estimate
+
+    k1, k2, k3 = (kl_estimate(lp, rlp, mask, e).mean().item() for e in ("k1", "k2", "k3"))
+    assert k1 == pytest.approx(true_kl, rel=0.05) and k3 == pytest.approx(true_kl, rel=0.05)
+    assert k2 == pytest.approx(true_kl, rel=0.2)
+    assert kl_estimate(lp, rlp, mask, "k1").min() < 0 <= kl_estimate(lp, rlp, mask, "k3").min()
+
+
+def test_dual_clip_frac_counts_the_bounded_tokens():
+    lp = torch.log(torch.tensor([[5.0, 2.0, 5.0]], dtype=torch.float64))  # ratios against old = 0
+    _, m = grpo_loss(lp, torch.zeros(1, 3, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
+                     torch.ones(1, 3), dual_clip=3.0)
+    assert m["dual_clip_frac"] == pytest.approx(2 / 3)  # r = 5 twice above 3, r = 2 not
+
+
+def test_high_entropy_mask_hand_worked_and_over_ranks():
+    from loss import high_entropy_mask
+
+    entropy = torch.tensor([[0.1, 0.5, 0.9, 2.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])  # the last is padding: not counted, not kept
+    assert high_entropy_mask(entropy, mask, 0.5).tolist() == [[False, False, True, True, False]]  # median 0.7
+    assert high_entropy_mask(entropy, mask, 0.25).tolist() == [[False, False, False, True, False]]
+    # two ranks: the threshold is the whole batch's, not each rank's own
+    other = [3.0, 4.0, 5.0, 6.0]
+    got = high_entropy_mask(entropy, mask, 0.5, gather=lambda values: values + other)
+    assert got.tolist() == [[False, False, False, False, False]]  # the global median is 2.5
+
+
+def test_pg_mask_drops_the_policy_gradient_but_keeps_the_kl():
+    lp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    ref = torch.full((1, 2), 0.5, dtype=torch.float64)
+    kw = dict(ref_logprobs=ref, beta=0.1)
+    loss, m = grpo_loss(lp, lp.detach(), torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2),
+                        pg_mask=torch.tensor([[True, False]]), **kw)
+    (grad,) = torch.autograd.grad(loss, lp)
+    kl_grad = 0.1 * (1 - math.exp(0.5)) / 2  # d/dlp of beta * k3, averaged over 2 tokens
+    assert grad.tolist()[0] == pytest.approx([-0.5 + kl_grad, kl_grad])  # token 2: the KL's pull only
+    assert m["pg_token_frac"] == 0.5

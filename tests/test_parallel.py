@@ -189,3 +189,19 @@ def test_a_rank_left_with_no_rows_still_makes_its_passes(monkeypatch):
     tensors, batches = parallel.even_micro_batches((ids, attention, mask, sampler_lp, torch.zeros(0)), [])
     assert batches == [[0], [0]] and tensors[0].shape == (1, 2) and tensors[1].tolist() == [[1, 1]]
     assert tensors[2].sum() == 0 and tensors[4].tolist() == [0.0]
+
+
+def test_two_ranks_match_one_process_with_mini_batches_and_batch_wide_statistics(tmp_path):
+    """mini_batches splits by global group, the batch std and the entropy quantile are the global batch's:
+    2 FSDP ranks still take exactly one process's steps."""
+    extra = ["--mini_batches=2", "--num_iterations=2", "--adv_scale=batch", "--entropy_top_quantile=0.5",
+             "--max_steps=2"]
+    run(tmp_path / "single", 1, *extra)
+    run(tmp_path / "fsdp", 2, "--parallel=fsdp", *extra)
+    one, two = read_jsonl(tmp_path / "single" / "metrics.jsonl"), read_jsonl(tmp_path / "fsdp" / "metrics.jsonl")
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"] and a["optimizer_steps"] == b["optimizer_steps"] == 4
+        for key in ("loss", "kl", "grad_norm", "approx_kl_old", "pg_token_frac"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
+    assert one[-1]["approx_kl_old"] > 0  # the later steps saw a moved policy
+    assert max_weight_diff(tmp_path / "single" / "ckpt_000002", tmp_path / "fsdp" / "ckpt_000002") < 1e-5
