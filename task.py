@@ -185,17 +185,17 @@ def as_components(value):
 
 
 def _score_all(reward, jobs, send):
-    """Score each (i, text, problem) in order; send (i, components) or (i, "error" | "wrong type...", traceback)."""
+    """Score each (i, text, problem) in order; send (i, components, "") or (i, "error" | "wrong type: ...", detail)."""
     for i, text, problem in jobs:
         try:
-            send((i, as_components(reward(text, problem)), ""))
-        except TypeError as e:
-            if str(e).startswith("wrong type"):
-                send((i, str(e), ""))
-            else:
-                send((i, "error", traceback.format_exc()))
+            value = reward(text, problem)
         except BaseException:  # anything the reward does, sys.exit included, fails only this completion
             send((i, "error", traceback.format_exc()))
+            continue
+        try:
+            send((i, as_components(value), ""))
+        except TypeError as e:
+            send((i, str(e), ""))
 
 
 def _child(reward, jobs, conn):
