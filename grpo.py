@@ -876,11 +876,11 @@ def main(argv, wrap_engine=lambda engine: engine):
                                       std_floor=cfg.adv_std_floor, zero_std_groups=cfg.adv_zero_std_groups,
                                       clip=cfg.adv_clip, batch_sum=parallel.all_sum)  # (N,) this rank's
 
-        # ---- tensors, masks, micro-batches; the old and reference logprobs once per batch (F1, L7)
+        # ---- tensors, masks, mini- and micro-batches; the old and reference logprobs once per batch (F1, L7)
         ub = prepare_update(batch, advantages, cfg, tokenizer.pad_token_id, device)
         passes = old_and_ref_logprobs(policy, ref, ub, cfg, state.beta, temperature, times)
 
-        # ---- the update: num_iterations epochs of micro-batches, one optimizer step each (L1-L7, O1, O2)
+        # ---- the update: num_iterations epochs, one optimizer step per mini-batch (L1-L7, O1, O2)
         lr = set_lr(optimizer, step, cfg)
         with timed(times, "time/update"):
             update = update_policy(train_model, optimizer, params, ub, passes, cfg, temperature, state)
