@@ -495,8 +495,11 @@ def warn_misleading(cfg):
         if cfg.num_iterations == 1 and cfg.mini_batches == 1:
             warnings.warn("ratio_level='sequence' with num_iterations=1: every ratio is exactly 1, so the gradient "
                           "equals the token-level one; GSPO differs only when num_iterations > 1 or mini_batches > 1")
-    variant = [f"policy_loss={cfg.policy_loss!r}"] * (cfg.policy_loss != "clip") + [f"dual_clip={cfg.dual_clip}"] * (
-        cfg.dual_clip > 0)
+    variant = []  # the settings that act only through a ratio != 1
+    if cfg.policy_loss != "clip":
+        variant.append(f"policy_loss={cfg.policy_loss!r}")
+    if cfg.dual_clip:
+        variant.append(f"dual_clip={cfg.dual_clip}")
     if variant and cfg.num_iterations == 1 and cfg.mini_batches == 1:  # L1, L7
         warnings.warn(f"{', '.join(variant)} with one optimizer step per batch: every ratio is exactly 1, where CISPO, "
                       "SAPO, GPG and dual-clip all give GRPO's gradient; they differ from the second step on a batch "

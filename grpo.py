@@ -47,7 +47,6 @@ from tqdm import tqdm
 import parallel
 from advantage import group_advantages, group_stats
 from config import ConfigError, config_from_argv, save_config
-from data.files import DataError
 from data.sampler import CurriculumSampler, PromptSampler
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, logprobs_and_entropy, lr_at, sampler_is_weights
 from model import BUILT_HERE, check_model_source, load_policy, model_path, push_weights_iter
@@ -369,8 +368,9 @@ def update_policy(train_model, optimizer, params, ub, passes, cfg, temperature, 
     for epoch in range(cfg.num_iterations):
         losses = []
         for k, mini in enumerate(ub.minis):  # mini_batches > 1: TRL's steps_per_generation, verl's ppo_mini_batch
-            desc = f"update {epoch + 1}/{cfg.num_iterations}" + (f", mini-batch {k + 1}/{len(ub.minis)}" * (
-                len(ub.minis) > 1))
+            desc = f"update {epoch + 1}/{cfg.num_iterations}"
+            if len(ub.minis) > 1:
+                desc += f", mini-batch {k + 1}/{len(ub.minis)}"
             loss = accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state, sums,
                                         parity if epoch == 0 else None, desc)
             loss = parallel.all_sum(loss)  # the global loss: every rank skips or steps alike
@@ -767,7 +767,7 @@ def prepare_run(argv):
     task = load_task(cfg)  # a task file that lacks a function fails here
     try:
         problems = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
-    except (DataError, ValueError) as e:  # a malformed dataset row, or fewer distinct problems than asked for
+    except ValueError as e:  # a malformed dataset row (DataError), or fewer distinct problems than asked for
         raise ConfigError(str(e)) from e
     check_task_output(task, problems[0], cfg)  # a prompt() or reward() of the wrong type fails before a model loads
     with parallel.local_rank0_first():  # one rank per machine builds or converts the model folder, tidies out_dir

@@ -125,9 +125,13 @@ def load_problems(cfg, task, split):
 
 
 def prompt_text(tokenizer, task, problem):
-    """The text the model continues: chat messages through the chat template, a raw string as it is; then the
+    """The text the model continues for this problem (render)."""
+    return render(tokenizer, task, task.prompt(problem))
+
+
+def render(tokenizer, task, p):
+    """prompt()'s value as text: chat messages through the chat template, a raw string as it is; then the
     COMPLETION_PREFIX (in a chat, the start of the assistant's turn)."""
-    p = task.prompt(problem)
     if isinstance(p, str):
         return p + task.completion_prefix  # R1-Zero style: a base model, no template
     if not tokenizer.chat_template:
@@ -142,18 +146,20 @@ def prompt_text(tokenizer, task, problem):
 def tokenize_prompts(tokenizer, task, problems, max_prompt_len):
     """Prompt token ids; a prompt longer than max_prompt_len is an error, never cut."""
     out = []
-    for p in problems:
-        text = prompt_text(tokenizer, task, p)
-        raw = isinstance(task.prompt(p), str)  # a chat template writes its own special tokens (BOS)
-        ids = tokenizer(text, add_special_tokens=raw).input_ids
+    for problem in problems:
+        p = task.prompt(problem)
+        # a chat template writes its own special tokens (BOS); a raw prompt gets the tokenizer's
+        ids = tokenizer(render(tokenizer, task, p), add_special_tokens=isinstance(p, str)).input_ids
         if len(ids) > max_prompt_len:
-            raise ConfigError(f"prompt {p['id']} has {len(ids)} tokens > max_prompt_len={max_prompt_len}; raise it")
+            raise ConfigError(f"prompt {problem['id']} has {len(ids)} tokens > max_prompt_len={max_prompt_len}; "
+                              "raise it")
         out.append(ids)
     return out
 
 
 def is_chat(p):
-    return isinstance(p, list) and p and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in p)
+    """True for a non-empty list of {"role": ..., "content": str} messages."""
+    return isinstance(p, list) and bool(p) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in p)
 
 
 def check_task_output(task, problems, cfg):
