@@ -393,7 +393,7 @@ def plain_run(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [["--adv_baseline=leave-one-out"], ["--adv_scale=batch"], ["--policy_loss=cispo"],
                                      ["--policy_loss=sapo", "--sapo_tau_pos=2", "--sapo_tau_neg=3"],
-                                     ["--policy_loss=gpg"], ["--dual_clip=1.5"], ["--kl_estimator=k1"],
+                                     ["--policy_loss=gpg"], ["--dual_clip=1.05"], ["--kl_estimator=k1"],
                                      ["--kl_estimator=k2"], ["--mini_batches=2", "--num_iterations=1"],
                                      ["--entropy_top_quantile=0.2"]],
                          ids=lambda v: ",".join(x[2:] for x in v))
@@ -416,8 +416,9 @@ def test_each_loss_and_advantage_variant_trains_and_shows_its_effect(tmp_path, p
         assert len(factors) == 1
     elif name == "policy_loss":
         assert metrics[0]["loss"] != pytest.approx(plain_run[0]["loss"], abs=1e-6)
-    elif name == "dual_clip":
-        assert all(0 <= m["dual_clip_frac"] <= 1 for m in metrics)
+    elif name == "dual_clip":  # a bound just above 1 meets some bad tokens whose ratio rose in the second epoch
+        assert all(0 < m["dual_clip_frac"] < 0.5 for m in metrics)
+        assert metrics[0]["loss"] != pytest.approx(plain_run[0]["loss"], abs=1e-6)
     elif name == "kl_estimator":  # the same tokens and weights at step 0, another estimate of their KL
         assert metrics[0]["kl"] != pytest.approx(plain_run[0]["kl"], abs=1e-9)
     elif name == "mini_batches":  # one epoch, 2 steps: the second mini-batch meets a policy the first one moved
