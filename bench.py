@@ -130,6 +130,117 @@ def memory(argv):
                       "naive_log_softmax_gb": naive_gb, "ratio": ours_gb / plain_gb}))
 
 
+PASS_VARIANTS = [  # (name, shared_prompt, fused_logprobs); the first is the plain padded path
+    ("padded rows, full logits", False, False),
+    ("padded rows, fused logprobs", False, True),
+    ("shared prompt, full logits", True, False),
+    ("shared prompt, fused logprobs", True, True),
+]
+
+
+def synthetic_batch(cfg, tokenizer, prompt_lens, completion_lens, seed=0):
+    """Rollouts of random tokens with the given lengths, G rows per prompt sharing it (what prepare_update takes)."""
+    import random
+
+    import torch
+
+    from grpo import Rollouts
+    from rollout import Completion
+
+    rng = random.Random(seed)
+    V, G = len(tokenizer), cfg.group_size
+    completions = []
+    for g, P in enumerate(prompt_lens):
+        prompt = [rng.randrange(V) for _ in range(P)]
+        for C in completion_lens[g * G : (g + 1) * G]:
+            completions.append(Completion(prompt, [rng.randrange(V) for _ in range(C)], "", [0.0] * C, False))
+    n = len(completions)
+    return Rollouts(list(range(n)), completions, torch.zeros(n), {}, torch.tensor([len(c.completion_ids) for c in
+                                                                                  completions]), torch.zeros(n))
+
+
+def passes(argv, shape, repeats):
+    """Reference pass and update (forward + backward) seconds, positions computed and peak memory, for each
+    PASS_VARIANTS on one batch, side by side in this process. shape "run": the config's model and task prompts,
+    completions of 1..max_completion_len tokens; "countdown": the tiny model (or the config's), prompts of ~150
+    and completions of 300-1000 tokens."""
+    import dataclasses
+    import random
+
+    import torch
+
+    from config import config_from_argv
+    from grpo import Passes, accumulate_gradients, batch_logprobs, prepare_update
+    from model import load_policy, model_path
+    from task import load_problems, load_task, tokenize_prompts
+
+    cfg = config_from_argv(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer, policy = load_policy(cfg, model_path(cfg), device)
+    policy.train()
+    rng, n_prompts = random.Random(0), cfg.batch_size // cfg.group_size
+    if shape == "run":
+        task = load_task(cfg)
+        problems = load_problems(cfg, task, "train")[:n_prompts]
+        prompt_lens = [len(p) for p in tokenize_prompts(tokenizer, task, problems, cfg.max_prompt_len)]
+        completion_lens = [rng.randint(1, cfg.max_completion_len) for _ in range(cfg.batch_size)]
+    else:
+        prompt_lens = [rng.randint(130, 170) for _ in range(n_prompts)]
+        completion_lens = [rng.randint(300, 1000) for _ in range(cfg.batch_size)]
+    batch = synthetic_batch(cfg, tokenizer, prompt_lens, completion_lens)
+    advantages = torch.randn(len(batch))
+    state = dataclasses.make_dataclass("State", [("beta", float)])(cfg.beta)
+    print(f"{n_prompts} prompts x {cfg.group_size}: prompts {min(prompt_lens)}-{max(prompt_lens)} tokens, "
+          f"completions {min(completion_lens)}-{max(completion_lens)}, micro_batch_tokens {cfg.micro_batch_tokens}, "
+          f"{cfg.dtype}, {device}")
+    results = []
+    for name, shared, fused in PASS_VARIANTS:
+        vcfg = dataclasses.replace(cfg, shared_prompt=shared, fused_logprobs=fused)
+        ub = prepare_update(batch, advantages, vcfg, tokenizer.pad_token_id, device)
+
+        def ref_pass():
+            batch_logprobs(policy, ub, vcfg, cfg.temperature)
+
+        ref = batch_logprobs(policy, ub, vcfg, cfg.temperature)[0] - 0.01  # a KL term to compute
+
+        def update():
+            accumulate_gradients(policy, ub, ub.minis[0], Passes(ref=ref), vcfg, cfg.temperature, state, {}, None, "")
+            policy.zero_grad(set_to_none=True)
+
+        if not results:  # warm the allocator once
+            ref_pass(), update()
+        ref_s = min(_seconds(ref_pass, device) for _ in range(repeats))
+        timed = []
+        peak = min(peak_of(lambda: timed.append(_seconds(update, device)), device) for _ in range(repeats))
+        update_s = min(timed)
+        results.append({"variant": name, "tokens": int(ub.tokens), "tokens_computed": int(ub.computed),
+                        "pad_frac": 1 - ub.computed_real / ub.computed, "ref_s": ref_s, "update_s": update_s,
+                        "update_peak_gb": peak, "micro_batches": len(ub.micro)})
+    base = results[0]
+    print(f"{'variant':32s} {'computed':>9s} {'pad':>6s} {'ref s':>7s} {'update s':>9s} {'ref+upd':>8s} "
+          f"{'peak GB':>8s} {'peak':>6s}")
+    for r in results:
+        total = (r["ref_s"] + r["update_s"]) / (base["ref_s"] + base["update_s"])
+        print(f"{r['variant']:32s} {r['tokens_computed']:9d} {r['pad_frac']:6.1%} {r['ref_s']:7.2f} "
+              f"{r['update_s']:9.2f} {total:7.2f}x {r['update_peak_gb']:8.3f} "
+              f"{r['update_peak_gb'] / base['update_peak_gb']:5.2f}x")
+    print(json.dumps(results))
+
+
+def _seconds(fn, device):
+    import time
+
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def update_only(argv, steps, warmup, micro_batches):
     """Step time and peak memory of the update alone (micro-batched forward+backward, AdamW step) on a
     random-weight model of the config's shape: no download, no sampler. FSDP2 or DDP under torchrun."""
@@ -201,10 +312,15 @@ def main():
     parser.add_argument("--memory", action="store_true", help="measure the update's peak memory instead")
     parser.add_argument("--update", action="store_true", help="time the update alone on random weights (torchrun)")
     parser.add_argument("--micro-batches", type=int, default=4, help="with --update: micro-batches per step")
+    parser.add_argument("--passes", choices=["run", "countdown"], default=None,
+                        help="time the reference pass and the update with and without shared prompts / fused logprobs")
+    parser.add_argument("--repeats", type=int, default=1, help="with --passes: timed repeats, the fastest kept")
     args, overrides = parser.parse_known_args()
     config_args = (["--config", args.config] if args.config else []) + overrides
     if args.memory:
         return memory(config_args)
+    if args.passes:
+        return passes(config_args, args.passes, args.repeats)
     if args.update:
         return update_only(config_args, args.steps, args.warmup, args.micro_batches)
     results = [summarise(e, run_engine(e, args.config, overrides, args.steps, args.warmup))

@@ -48,8 +48,17 @@ import parallel
 from advantage import group_advantages, group_stats
 from config import ConfigError, config_from_argv, save_config
 from data.sampler import CurriculumSampler, PromptSampler
-from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, logprobs_and_entropy, lr_at, sampler_is_weights
-from model import BUILT_HERE, check_model_source, load_policy, model_path, push_weights_iter
+from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
+from model import (
+    BUILT_HERE,
+    check_model_source,
+    fused_head_unsupported,
+    load_policy,
+    model_path,
+    push_weights_iter,
+    sequence_logprobs,
+    shared_prompt_logprobs,
+)
 from preflight import preflight
 from rollout import HFEngine, VLLMEngine, vllm_available
 from task import check_task_output, load_problems, load_task, score, tokenize_prompts
@@ -209,6 +218,31 @@ def micro_batches(lengths, budget):
     return out + [current] if current else out
 
 
+def shared_prompt_cost(rows, lengths, prompt_lens, groups):
+    """(positions computed, real tokens among them) of one micro-batch under shared_prompt: each group's prompt
+    but its last token once, (groups x longest), then every row's last prompt token + completion (rows x longest)."""
+    prompts = {groups[i]: prompt_lens[i] - 1 for i in rows}
+    tails = [lengths[i] - prompt_lens[i] + 1 for i in rows]
+    return len(prompts) * max(prompts.values()) + len(rows) * max(tails), sum(prompts.values()) + sum(tails)
+
+
+def shared_micro_batches(lengths, prompt_lens, groups, budget):
+    """O3 under shared_prompt: whole groups together (longest group first) while the two passes fit `budget`
+    positions (shared_prompt_cost); a group over the budget alone is split between its rows, each part
+    computing the prompt once."""
+    members = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    order = sorted(members.values(), key=lambda rows: -max(lengths[i] for i in rows))
+    out, current = [], []
+    for i in (i for rows in order for i in sorted(rows, key=lambda i: -lengths[i])):
+        if current and shared_prompt_cost(current + [i], lengths, prompt_lens, groups)[0] > budget:
+            out.append(current)
+            current = []
+        current.append(i)
+    return out + [current] if current else out
+
+
 @dataclass
 class MiniBatch:
     """The rows of one optimizer step: their micro-batches, and the global counts its loss divides by."""
@@ -227,9 +261,12 @@ class UpdateBatch:
     mask: torch.Tensor  # (N, L-1) 1 on response tokens (L3, R6)
     sampler_lp: torch.Tensor  # (N, L-1) the engine's logprobs of the sampled tokens (R2)
     advantages: torch.Tensor  # (N,)
+    prompt_lens: torch.Tensor  # (N,) prompt tokens of each row
+    groups: torch.Tensor  # (N,) each row's group: rows of a group share their prompt (shared_prompt)
     minis: list  # MiniBatch per optimizer step of an epoch: one, or mini_batches of them (L7)
-    tokens: float  # real tokens of the global batch, and padded: the tokens computed (pad_frac)
-    padded: float
+    tokens: float  # real tokens (prompt + completion) of the global batch's rows
+    computed: float  # positions a pass over the global batch computes: padding included, shared prompts once
+    computed_real: float  # the real tokens among them (pad_frac = 1 - computed_real / computed)
     has_sampler_logprobs: bool  # False for greedy samples, or an engine without logprobs
 
     @property
@@ -255,31 +292,66 @@ def prepare_update(batch, advantages, cfg, pad_id, device):
     ids, attention, mask, sampler_lp = pad_batch(batch.completions, pad_id)
     if cfg.mask_truncated:  # R6: a cut-off completion has no final answer to judge; give it no loss
         mask = mask * (1 - batch.truncated)[:, None]
-    ids, attention, mask, sampler_lp, advantages = (t.to(device) for t in (ids, attention, mask, sampler_lp,
-                                                                            advantages))
-    lengths = attention.sum(1).tolist()
+    prompt_lens = torch.tensor([len(c.prompt_ids) for c in batch.completions], dtype=torch.long)
+    groups = torch.arange(len(batch)) // cfg.group_size
+    if cfg.shared_prompt:
+        check_shared_prompts(batch.completions, cfg.group_size)
+    ids, attention, mask, sampler_lp, advantages, prompt_lens, groups = (
+        t.to(device) for t in (ids, attention, mask, sampler_lp, advantages, prompt_lens, groups))
+    lengths, plens, gs = attention.sum(1).tolist(), prompt_lens.tolist(), groups.tolist()
     first_group = parallel.rank() * (cfg.prompts_per_step // parallel.world())
-    minis = []
+    minis, computed, computed_real = [], 0, 0
     for rows in mini_batch_rows(len(batch), cfg.group_size, cfg.mini_batches, first_group):
-        micro = [[rows[i] for i in mb] for mb in micro_batches([lengths[r] for r in rows], cfg.micro_batch_tokens)]
+        if cfg.shared_prompt:  # whole groups per micro-batch, each prompt computed once
+            plan = shared_micro_batches([lengths[r] for r in rows], [plens[r] for r in rows],
+                                        [gs[r] for r in rows], cfg.micro_batch_tokens)
+        else:
+            plan = micro_batches([lengths[r] for r in rows], cfg.micro_batch_tokens)
+        micro = [[rows[i] for i in mb] for mb in plan]
+        for mb in micro:
+            n, real = (shared_prompt_cost(mb, lengths, plens, gs) if cfg.shared_prompt
+                       else (len(mb) * max(lengths[r] for r in mb), sum(lengths[r] for r in mb)))
+            computed, computed_real = computed + n, computed_real + real
         # L2: token-mean over the response tokens of the whole (global) mini-batch; the batch when mini_batches = 1
         minis.append(MiniBatch(micro, int(parallel.all_sum(mask[rows].sum())), int(parallel.all_sum(len(rows)))))
     tokens = parallel.all_sum(attention.sum())
-    padded = parallel.all_sum(sum(len(mb) * max(lengths[r] for r in mb) for mini in minis for mb in mini.micro))
+    computed, computed_real = parallel.all_sum(computed), parallel.all_sum(computed_real)
+    tensors = (ids, attention, mask, sampler_lp, advantages, prompt_lens, groups)
     if parallel.world() > 1:  # FSDP gathers weights in every forward, DDP reduces in backward: equal pass counts
         for mini in minis:
-            (ids, attention, mask, sampler_lp, advantages), mini.micro = parallel.even_micro_batches(
-                (ids, attention, mask, sampler_lp, advantages), mini.micro)
+            tensors, mini.micro = parallel.even_micro_batches(tensors, mini.micro)
+        tensors[5][len(batch):] = tensors[0].shape[1]  # an added row is all prompt, its own group
+        tensors[6][len(batch):] = torch.arange(len(batch), len(tensors[6]), device=device)
     has_sampler_logprobs = bool(batch.completions and batch.completions[0].logprobs)
-    return UpdateBatch(ids, attention, mask, sampler_lp, advantages, minis, tokens, padded, has_sampler_logprobs)
+    return UpdateBatch(*tensors, minis, tokens, computed, computed_real, has_sampler_logprobs)
 
 
-def forward_logprobs(model, ids, attention, cfg, temperature):
-    """(logprobs, entropy), each (b, L-1) fp32, for the tokens ids[:, 1:] (L6: bf16 compute, fp32 logprobs)."""
-    device_type = ids.device.type
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
-        logits = model(input_ids=ids, attention_mask=attention).logits  # (b, L, V)
-    return logprobs_and_entropy(logits[:, :-1], ids[:, 1:], temperature)
+def check_shared_prompts(completions, G):
+    """shared_prompt computes a group's prompt once: its G rows must have the same prompt tokens."""
+    for start in range(0, len(completions), G):
+        if any(c.prompt_ids != completions[start].prompt_ids for c in completions[start : start + G]):
+            raise ValueError(f"shared_prompt: the completions of group {start // G} do not share their prompt "
+                             f"tokens (an engine that rewrites prompts?); set --shared_prompt=false")
+
+
+def forward_logprobs(model, ids, attention, cfg, temperature, prompt_lens=None, groups=None):
+    """(logprobs, entropy), each (b, L-1) fp32, for the tokens ids[:, 1:] (L6: bf16 compute, fp32 logprobs).
+
+    With prompt_lens and groups (b,), rows of a group share their prompt and it is computed once.
+    """
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+        if prompt_lens is not None:
+            return shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, cfg.fused_logprobs)
+        return sequence_logprobs(model, ids, temperature, cfg.fused_logprobs, attention_mask=attention)
+
+
+def micro_batch_logprobs(model, ub, mb, cfg, temperature):
+    """forward_logprobs of micro-batch mb (row indices), cut to its longest row L: each (b, L-1)."""
+    L = int(ub.attention[mb].sum(1).max())
+    ids, attention = ub.ids[mb, :L], ub.attention[mb, :L]
+    if cfg.shared_prompt:  # a group's G completions on one pass over their prompt, not G (Prefix Grouper)
+        return forward_logprobs(model, ids, attention, cfg, temperature, ub.prompt_lens[mb], ub.groups[mb])
+    return forward_logprobs(model, ids, attention, cfg, temperature)
 
 
 @torch.no_grad()
@@ -287,9 +359,8 @@ def batch_logprobs(model, ub, cfg, temperature):
     """(N, L-1) logprobs and entropies of the whole batch under `model`, no grad: the old or the reference (F1, L7)."""
     logprobs, entropy = torch.zeros_like(ub.mask), torch.zeros_like(ub.mask)
     for mb in ub.micro:
-        L = int(ub.attention[mb].sum(1).max())
-        logprobs[mb, : L - 1], entropy[mb, : L - 1] = forward_logprobs(model, ub.ids[mb, :L], ub.attention[mb, :L],
-                                                                       cfg, temperature)
+        lp, ent = micro_batch_logprobs(model, ub, mb, cfg, temperature)
+        logprobs[mb, : lp.shape[1]], entropy[mb, : lp.shape[1]] = lp, ent
     return logprobs, entropy
 
 
@@ -385,9 +456,9 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
     """Forward and backward over one mini-batch's micro-batches; returns this rank's share of its loss."""
     loss_total, world = 0.0, parallel.world()
     for i, mb in enumerate(tqdm(mini.micro, desc=desc, leave=False, disable=not sys.stdout.isatty())):
-        L = int(ub.attention[mb].sum(1).max())
         with parallel.no_grad_sync(train_model, last=i == len(mini.micro) - 1):  # DDP decides in the forward
-            lp, entropy = forward_logprobs(train_model, ub.ids[mb, :L], ub.attention[mb, :L], cfg, temperature)
+            lp, entropy = micro_batch_logprobs(train_model, ub, mb, cfg, temperature)
+        L = lp.shape[1] + 1
         mask, sampler_lp = ub.mask[mb, : L - 1], ub.sampler_lp[mb, : L - 1]
         # with one optimizer step per batch the old policy is the current one: its own logprobs, detached, with
         # no extra pass; from the second step on (num_iterations or mini_batches > 1) the ratio and the clip act
@@ -531,7 +602,8 @@ def step_metrics(update, ub, lr):
         out["sampler_logprob_diff_mean"] = parallel.all_sum(sum(s for s, _ in update.parity)) / max(ub.num_tokens, 1)
         out["sampler_logprob_diff_max"] = parallel.all_max(max((m for _, m in update.parity), default=0.0))
     out["tokens"] = int(ub.tokens)
-    out["pad_frac"] = 1 - ub.tokens / ub.padded
+    out["tokens_computed"] = int(ub.computed)  # positions one pass runs; below `tokens` when prompts are shared
+    out["pad_frac"] = 1 - ub.computed_real / ub.computed
     out["mem/peak_gb"] = peak_memory_gb()
     return out
 
@@ -794,6 +866,9 @@ def build_models(cfg, path, device, resume_from):
     weights = resume_from if resume_from and not cfg.lora_rank else (cfg.init_from or path)
     tokenizer, policy = load_policy(cfg, weights, device, adapter=resume_from if cfg.lora_rank else None)
     policy.train()
+    if cfg.fused_logprobs and fused_head_unsupported(policy):  # the plain logits path is always exact
+        print(f"fused_logprobs off: {fused_head_unsupported(policy)}; logprobs come from the full logits")
+        cfg.fused_logprobs = False
     # under torchrun: FSDP2 shards `policy` in place (train_model is policy); DDP wraps it for the update
     train_model = parallel.wrap(policy, cfg.parallel, cfg.dtype)
     ref = None

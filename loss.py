@@ -50,15 +50,10 @@ class _LogprobsEntropy(torch.autograd.Function):
         logits, tokens, lse, entropy = ctx.saved_tensors
         grad = torch.zeros_like(logits)
         for b, s in _chunks(logits.shape[0], logits.shape[1], ctx.chunk):
-            z = logits[b, s].to(lse.dtype) / ctx.temperature  # (c, V)
-            log_p = z - lse[b, s, None]
-            p = torch.exp(log_p)
-            g = torch.zeros_like(z)
-            if grad_logp is not None:  # d log p_k / dz = onehot(k) - p
-                g -= p * grad_logp[b, s, None]
-                g.scatter_add_(-1, tokens[b, s, None], grad_logp[b, s, None])
-            if grad_entropy is not None:  # dH / dz = -p * (log p + H)
-                g -= grad_entropy[b, s, None] * p * (log_p + entropy[b, s, None])
+            log_p = logits[b, s].to(lse.dtype) / ctx.temperature - lse[b, s, None]  # (c, V)
+            g = _softmax_grad(log_p, tokens[b, s], entropy[b, s],
+                              grad_logp[b, s] if grad_logp is not None else None,
+                              grad_entropy[b, s] if grad_entropy is not None else None)
             grad[b, s] = (g / ctx.temperature).to(grad.dtype)
         return grad, None, None, None
 
@@ -80,6 +75,98 @@ def logprobs_and_entropy(logits, tokens, temperature=1.0, chunk=1024):
     Example: logits [[[0, ln 3]]] (one position, two tokens), tokens [[1]] -> logprob ln(3/4).
     """
     return _LogprobsEntropy.apply(logits, tokens, float(temperature), chunk)
+
+
+class _LinearLogprobsEntropy(torch.autograd.Function):
+    """log p(token) and entropy per position from the final hidden states and the output matrix.
+
+    The fused linear + cross-entropy idea (Liger Kernel, Unsloth): the logits h W^T are computed one
+    chunk of positions at a time, inside forward and again inside backward, so neither the (N, V)
+    logits nor their gradient ever exist whole. Forward keeps the hidden states and two (N,) fp32
+    tensors; the price is one more head matmul in backward. The matmul runs in `compute_dtype` (bf16
+    under autocast, as the model's own head would), the softmax in fp32 (L6). Positions are flat (N, H).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk, compute_dtype):
+        ctx.set_materialize_grads(False)
+        dtype = torch.promote_types(compute_dtype, torch.float32)  # fp32, or fp64 under gradcheck
+        logp = hidden.new_empty(len(hidden), dtype=dtype)
+        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        w = weight.to(compute_dtype)
+        for s in range(0, len(hidden), chunk):
+            s = slice(s, s + chunk)
+            z = _head(hidden[s], w, bias, compute_dtype).to(dtype) / temperature  # (c, V), one chunk
+            lse[s] = torch.logsumexp(z, dim=-1)
+            logp[s] = z.gather(-1, tokens[s, None]).squeeze(-1) - lse[s]
+            log_p = z - lse[s, None]
+            entropy[s] = -(torch.exp(log_p) * log_p).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
+        cd = ctx.compute_dtype
+        w = weight.to(cd)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+        grad_bias = torch.zeros_like(grad_weight[:, 0]) if bias is not None else None
+        for s in range(0, len(hidden), ctx.chunk):
+            s = slice(s, s + ctx.chunk)
+            h = hidden[s].to(cd)  # (c, H)
+            log_p = _head(h, w, bias, cd).to(lse.dtype) / ctx.temperature - lse[s, None]  # (c, V)
+            g = _softmax_grad(log_p, tokens[s], entropy[s], grad_logp[s] if grad_logp is not None else None,
+                              grad_entropy[s] if grad_entropy is not None else None) / ctx.temperature
+            grad_hidden[s] = (g.to(cd) @ w).to(grad_hidden.dtype)  # dL/dh = g W
+            grad_weight += (g.to(cd).T @ h).to(grad_weight.dtype)  # dL/dW = g^T h
+            if bias is not None:
+                grad_bias += g.sum(0).to(grad_bias.dtype)
+        grad_bias = grad_bias.to(bias.dtype) if bias is not None else None
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None
+
+
+def _head(h, w, bias, compute_dtype):
+    """h W^T (+ b) in compute_dtype: the logits of one chunk of positions."""
+    z = h.to(compute_dtype) @ w.T
+    return z + bias.to(compute_dtype) if bias is not None else z
+
+
+def _softmax_grad(log_p, tokens, entropy, grad_logp, grad_entropy):
+    """d(loss)/dz for z -> (log p(token), entropy): (c, V) fp32, from upstream (c,) gradients (None = zero)."""
+    p = torch.exp(log_p)
+    g = torch.zeros_like(log_p)
+    if grad_logp is not None:  # d log p_k / dz = onehot(k) - p
+        g -= p * grad_logp[:, None]
+        g.scatter_add_(-1, tokens[:, None], grad_logp[:, None])
+    if grad_entropy is not None:  # dH / dz = -p * (log p + H)
+        g -= grad_entropy[:, None] * p * (log_p + entropy[:, None])
+    return g
+
+
+def linear_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, bias=None, chunk=None):
+    """logprobs_and_entropy(hidden @ weight.T + bias, tokens, temperature) without the logits tensor.
+
+    hidden: (B, T, H) the model's final hidden states (after its last norm); hidden[:, t] produced tokens[:, t].
+    weight: (V, H) the output matrix (lm_head.weight; the embedding when tied), bias (V,) or None.
+    tokens: (B, T) long. chunk: positions per chunk; default: about 2^26 logits (256 MB of fp32) per chunk.
+    The head's matmul runs in the autocast dtype when autocast is on (bf16 logits, as the model's own head
+    would give), else in the weight's dtype; logprobs and entropy in fp32. Both differentiable in hidden,
+    weight and bias.
+
+    Example: hidden [[[1, 0]]], weight [[0, 0], [ln 3, 0]], tokens [[1]] -> logprob ln(3/4), as for
+    logits [[[0, ln 3]]].
+    """
+    device = hidden.device.type
+    autocast = torch.is_autocast_enabled(device)
+    compute_dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(hidden.dtype, weight.dtype)
+    chunk = chunk or max(1, 2**26 // weight.shape[0])
+    B, T, H = hidden.shape
+    with torch.autocast(device, enabled=False):  # the casts are explicit, in forward and backward alike
+        logp, entropy = _LinearLogprobsEntropy.apply(hidden.reshape(B * T, H), weight, bias, tokens.reshape(B * T),
+                                                     float(temperature), chunk, compute_dtype)
+    return logp.view(B, T), entropy.view(B, T)
 
 
 def token_logprobs(logits, tokens, temperature=1.0):

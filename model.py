@@ -4,10 +4,12 @@ The policy keeps fp32 master weights; compute runs in cfg.dtype under autocast (
 learning rate of 1e-6 is not rounded away as it would be in bf16 weights.
 """
 
+import contextlib
 import os
 import shutil
 
 import torch
+from transformers import DynamicCache
 
 from config import ConfigError
 from preflight import SHAPES
@@ -209,3 +211,141 @@ def push_weights_iter(policy, bucket_mb=256):
 def _gathered(bucket):
     """Full tensors of one bucket: DTensor shards are all-gathered, plain tensors pass as they are."""
     return [(name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in bucket]
+
+
+# ---------------------------------------------------------------- the trainer's forward: logprobs of the sampled tokens
+
+# config fields of models whose logits are not just lm_head(h): softcapping (Gemma 2), a scale (Cohere, Granite)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def fused_head_unsupported(model):
+    """Why the fused head (linear_logprobs_and_entropy) cannot stand in for this model's logits, or None."""
+    model = getattr(model, "module", model)  # DDP's wrapper
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return f"its output layer is a {type(head).__name__}, not a plain Linear"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    transforms = [name for name in LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)]
+    if transforms:
+        return f"its logits are transformed after the output layer ({', '.join(transforms)})"
+    return None
+
+
+@contextlib.contextmanager
+def head_returns_logprobs(model, tokens, temperature):
+    """While open, the model's output layer returns (b, T, 2) [log p(tokens), entropy] instead of (b, T, V) logits.
+
+    The head is swapped inside the model's own forward, so FSDP2's gathered weights, DDP's hooks and
+    gradient checkpointing all see an ordinary forward; only the logits are never built (loss.py).
+    """
+    from loss import linear_logprobs_and_entropy
+
+    head = getattr(model, "module", model).get_output_embeddings()
+
+    def logprobs(hidden):  # (b, T, H) -> (b, T, 2)
+        return torch.stack(linear_logprobs_and_entropy(hidden, head.weight, tokens, temperature, head.bias), -1)
+
+    head.forward = logprobs
+    try:
+        yield
+    finally:
+        del head.forward  # the class's forward again
+
+
+def sequence_logprobs(model, ids, temperature, fused, **inputs):
+    """(logprobs, entropy), each (b, T-1) fp32, of the tokens ids[:, 1:], from one forward of `model` over ids."""
+    from loss import logprobs_and_entropy
+
+    if fused:  # no (b, T, V) logits: the head computes the logprobs itself, chunk by chunk
+        with head_returns_logprobs(model, torch.nn.functional.pad(ids[:, 1:], (0, 1)), temperature):
+            out = model(input_ids=ids, **inputs).logits  # (b, T, 2)
+        return out[:, :-1, 0], out[:, :-1, 1]
+    logits = model(input_ids=ids, **inputs).logits  # (b, T, V)
+    return logprobs_and_entropy(logits[:, :-1], ids[:, 1:], temperature)
+
+
+class PromptCache(DynamicCache):
+    """The prompt pass's cache: each layer's keys and values, kept once (a gradient-checkpointing replay of the
+    pass runs the same layer again; what it computes is what was kept, so it keeps nothing)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx < len(self.layers) and self.layers[layer_idx].is_initialized:
+            return key_states, value_states
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class SharedPromptCache(DynamicCache):
+    """The completions' cache: the keys and values of each row's prompt, read-only. A layer attends over its
+    prompt's and then its own, and nothing is stored, so a replay under gradient checkpointing sees the same."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        return torch.cat([layer.keys, key_states], -2), torch.cat([layer.values, value_states], -2)
+
+
+@contextlib.contextmanager
+def checkpoint_with_cache(model):
+    """Let checkpointed decoder layers keep a cache argument: ours are read-only or keep-once, so the replay in
+    backward reads the same keys and values (transformers drops past_key_values under checkpointing otherwise)."""
+    layers = [m for m in model.modules() if hasattr(type(m), "_can_checkpoint_with_cache")]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+
+
+def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, fused):
+    """sequence_logprobs of right-padded rows whose groups share a prompt, computing each prompt once.
+
+    ids, attention: (b, L) prompt + completion, right-padded; prompt_lens: (b,); groups: (b,) group ids.
+    Rows with the same group id must have the same prompt. Two forwards, gradients through both:
+      1. the prompt pass: each group's prompt but its last token, once: (n, P) left-padded, its keys
+         and values kept (PromptCache);
+      2. the completion pass: every row's last prompt token + completion, (b, 1 + C) right-padded, on top
+         of its group's keys and values (SharedPromptCache), at positions P_r - 1, P_r, ...
+    The last prompt token goes with the completions because its output predicts the first completion token.
+    Returns (logprobs, entropy), each (b, L-1), in the padded coordinates of sequence_logprobs(ids).
+    Exact: the same attention, positions and tokens as the padded forward; only each prompt's repeats go.
+    """
+    b, L = ids.shape
+    device = ids.device
+    lengths = attention.sum(1)
+    slots, slot_of = torch.unique(groups, return_inverse=True)  # the distinct groups here; (b,) each row's
+    first = [int((slot_of == s).nonzero()[0]) for s in range(len(slots))]  # a row of each group
+    prefix = prompt_lens[first] - 1  # (n,) tokens each group's prompt pass computes
+    P, C = int(prefix.max()), int((lengths - prompt_lens + 1).max())
+    prompt_ids = ids.new_zeros(len(first), P)
+    prompt_mask = attention.new_zeros(len(first), P)
+    for s, r in enumerate(first):  # left padding: each prompt ends where its completions begin
+        prompt_ids[s, P - prefix[s] :] = ids[r, : prefix[s]]
+        prompt_mask[s, P - prefix[s] :] = 1
+    rows_ids, rows_mask = ids.new_zeros(b, C), attention.new_zeros(b, C)
+    for r in range(b):
+        n = int(lengths[r] - prompt_lens[r] + 1)
+        rows_ids[r, :n] = ids[r, prompt_lens[r] - 1 : lengths[r]]
+        rows_mask[r, :n] = 1
+    cache = None
+    with checkpoint_with_cache(model):
+        if P > 0:
+            cache = PromptCache()
+            positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
+            model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+                  use_cache=False, logits_to_keep=1)  # only the keys and values are wanted
+            cache = SharedPromptCache([(layer.keys[slot_of], layer.values[slot_of]) for layer in cache.layers])
+        positions = (prompt_lens - 1)[:, None] + torch.arange(C, device=device)  # (b, C)
+        mask = torch.cat([prompt_mask[slot_of], rows_mask], 1) if P > 0 else rows_mask
+        lp, entropy = sequence_logprobs(model, rows_ids, temperature, fused, attention_mask=mask,
+                                        position_ids=positions, past_key_values=cache, use_cache=False)
+    # (b, C-1) -> (b, L-1): completion-pass position j predicts the token at padded position P_r + j
+    cols = (prompt_lens - 1)[:, None] + torch.arange(C - 1, device=device)  # (b, C-1)
+    valid = rows_mask[:, 1:].bool()
+    out = []
+    for values in (lp, entropy):
+        full = values.new_zeros(b, L - 1 + C)  # room for every row's columns, cut to L - 1 below
+        full.scatter_(1, cols, torch.where(valid, values, 0.0))
+        out.append(full[:, : L - 1])
+    return tuple(out)

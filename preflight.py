@@ -70,6 +70,8 @@ def estimate_memory(cfg, shape):
     per_layer = 2 * h if cfg.gradient_checkpointing else 17 * h  # 17 x hidden elements at 2 bytes = 34 h bytes
     recompute = 17 * h * cfg.micro_batch_tokens if cfg.gradient_checkpointing else 0
     logits = cfg.micro_batch_tokens * v * (2 * act_bytes)  # logits and their grad; fp32 only per chunk (L6)
+    if cfg.fused_logprobs:  # no logits at all: one chunk of ~2^26 fp32 logits, its softmax and its gradient
+        logits = 3 * 4 * min(cfg.micro_batch_tokens, max(1, 2**26 // v)) * v
     out["activations"] = (act_bytes * (per_layer * layers * cfg.micro_batch_tokens + recompute) + logits) / gib
     if cfg.beta > 0 and cfg.lora_rank == 0:
         out["reference"] = act_bytes * n / gib  # a frozen copy in compute dtype (can be offloaded, F1)

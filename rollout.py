@@ -1,11 +1,12 @@
-"""Sampling: G completions per prompt from a vLLM engine (default) or HF `generate` (simplest to read).
+"""Sampling: G completions per prompt from a vLLM engine (default) or a plain decoding loop on the policy (HF).
 
 Both engines take prompts as token ids and return, per prompt, a list of G `Completion`s with the
 sampler's own logprob of every sampled token, taken from logits / temperature (R5) so they are
 directly comparable with the trainer's recomputed logprobs. Each prompt comes with a seed that
 depends on (seed, step, the prompt's place in the step's global batch) only, so a resumed run
-samples exactly what it would have. HF seeds every prompt with its own seed, so N ranks sample what
-one process does. vLLM on a GPU does the same through a per-request seed (its V2 model runner
+samples exactly what it would have. The HF engine gives each row its own generator (seed + j for row j
+of a prompt), so a row's sample does not depend on the batch it is in and N ranks sample what one
+process does. vLLM on a GPU does the same through a per-request seed (its V2 model runner
 otherwise draws each request's seed from numpy's global RNG, seeded once at engine start); on a CPU,
 where a per-request seed crashes vLLM's sampler, the whole call is seeded from the first prompt's
 seed (torch's and numpy's global generators, which the in-process CPU engine samples from).
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
 import parallel
 
@@ -158,64 +160,107 @@ class VLLMEngine:
 
 
 class HFEngine:
-    """`model.generate` on the policy itself: no second copy of the weights, so nothing to push."""
+    """The policy itself as the sampler, in a plain batched decoding loop: no second copy of the weights, so
+    nothing to push, and nothing from the model's generation_config but its EOS list."""
 
     def __init__(self, policy, tokenizer, synced_gpus=False):
         # FSDP2 gathers weights in every forward: all ranks must keep stepping until the slowest is done
         self.policy, self.tokenizer, self.synced_gpus = policy, tokenizer, synced_gpus
-        # generate() is the HF model's, also under a peft wrapper: that model's generation_config is the one
-        # transformers fills unset settings from
-        self.hf_model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-        self.stop = stop_tokens(tokenizer, self.hf_model.generation_config)
+        hf_model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        self.stop = stop_tokens(tokenizer, hf_model.generation_config)
 
     @torch.no_grad()
     def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, progress=False):
-        from transformers import GenerationConfig
-
-        greedy = temperature == 0
-        gen = GenerationConfig(do_sample=not greedy, temperature=temperature if not greedy else None,
-                               top_p=top_p if not greedy else None,
-                               top_k=max(top_k, 0),  # 0 = off; None would mean transformers' default of 50
-                               max_new_tokens=max_tokens, num_return_sequences=n, eos_token_id=self.stop,
-                               pad_token_id=self.tokenizer.pad_token_id, output_scores=True,
-                               return_dict_in_generate=True)
-        was_training, model_defaults = self.policy.training, self.hf_model.generation_config
+        # every prompt's n rows in one batch; row j of a prompt is seeded seed + j, as vLLM seeds its n samples
+        rows = [(list(p), seed + j) for p, seed in zip(prompts, seeds) for j in range(n)]
+        was_training = self.policy.training
         self.policy.eval()
-        # transformers fills every setting left unset from the model's generation_config (Qwen2.5-Instruct ships
-        # repetition_penalty 1.05): with a clean one there, the samples follow exactly the trainer's distribution
-        self.hf_model.generation_config = GenerationConfig()
         try:
-            # One prompt at a time: its n rows share the prompt, so there is no padding, and the positions
-            # match the trainer's exactly (left padding would shift them).
-            pairs = tqdm(list(zip(prompts, seeds)), desc="generate", disable=not progress, leave=False)
-            groups = [self._group(p, seed, gen, greedy) for p, seed in pairs]
+            tokens, logprobs = self._decode(rows, temperature, top_p, top_k, max_tokens, progress)
         finally:
-            self.hf_model.generation_config = model_defaults
             self.policy.train(was_training)
+        groups = []
+        for i, prompt in enumerate(prompts):
+            group = []
+            for r in range(i * n, (i + 1) * n):
+                row = tokens[r]
+                stop = next((t + 1 for t, tok in enumerate(row) if tok in self.stop), len(row))
+                sampled = row[:stop]  # the stop token included; the padding after it dropped
+                group.append(Completion(list(prompt), sampled, self.tokenizer.decode(sampled, skip_special_tokens=True),
+                                        logprobs[r][:stop] if temperature > 0 else [],
+                                        stop == max_tokens and sampled[-1] not in self.stop))
+            groups.append(group)
         return groups
 
-    def _group(self, prompt, seed, gen, greedy):
+    def _decode(self, rows, temperature, top_p, top_k, max_tokens, progress):
+        """(tokens, logprobs) per row, each a list of max_tokens or fewer (all rows stopped), from a KV cache.
+
+        Prompts are left-padded so every row's next token goes in the same column; each row's positions
+        count from its own first token (0, 1, ...), exactly the trainer's on its right-padded rows.
+        """
         device = next(self.policy.parameters()).device
-        torch.manual_seed(seed)
-        out = self.policy.generate(input_ids=torch.tensor([prompt], device=device), generation_config=gen,
-                                   synced_gpus=self.synced_gpus)
-        sampled = out.sequences[:, len(prompt) :]  # (n, new)
-        # scores are the processed logits (after temperature, top-k, top-p) that each token was sampled from
-        logprobs = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)  # (n, new, V)
-        logprobs = logprobs.gather(-1, sampled[..., None]).squeeze(-1)  # (n, new)
-        group = []
-        for row in range(len(sampled)):
-            tokens = sampled[row].tolist()
-            # rows that stopped early are padded after their stop token
-            stop = next((i + 1 for i, t in enumerate(tokens) if t in self.stop), len(tokens))
-            tokens = tokens[:stop]
-            group.append(Completion(list(prompt), tokens, self.tokenizer.decode(tokens, skip_special_tokens=True),
-                                    logprobs[row, :stop].tolist() if not greedy else [],
-                                    stop == gen.max_new_tokens and tokens[-1] not in self.stop))
-        return group
+        pad = self.tokenizer.pad_token_id
+        if not rows:  # FSDP2 under synced_gpus: a rank with no prompts still joins every forward
+            rows = [([pad], 0)] if self.synced_gpus else []
+            if not rows:
+                return [], []
+        R, P = len(rows), max(len(p) for p, _ in rows)
+        ids = torch.full((R, P), pad, dtype=torch.long, device=device)
+        mask = torch.zeros(R, P, dtype=torch.long, device=device)
+        for r, (prompt, _) in enumerate(rows):
+            ids[r, P - len(prompt) :] = torch.tensor(prompt, device=device)
+            mask[r, P - len(prompt) :] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        generators = [torch.Generator(device).manual_seed(seed) for _, seed in rows]
+        stop = torch.tensor(self.stop, device=device)
+        cache, done, tokens, logprobs = DynamicCache(), torch.zeros(R, dtype=torch.bool, device=device), [], []
+        for _ in tqdm(range(max_tokens), desc="generate", disable=not progress, leave=False):
+            logits = self.policy(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                 use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (R, V)
+            token, logp = sample_next(logits, temperature, top_p, top_k, generators)
+            token = torch.where(done, pad, token)  # a stopped row is fed padding, and keeps it
+            tokens.append(token)
+            logprobs.append(logp)
+            done |= torch.isin(token, stop)
+            if self._all_done(done):
+                break
+            ids, positions = token[:, None], positions[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones(R, 1)], 1)
+        tokens = torch.stack(tokens, 1).tolist()
+        logprobs = torch.stack(logprobs, 1).tolist() if temperature > 0 else [[] for _ in rows]
+        return tokens, logprobs
+
+    def _all_done(self, done):
+        """Every row stopped; under synced_gpus, on every rank (each forward is a collective there)."""
+        if self.synced_gpus:
+            return parallel.all_max(int(not bool(done.all()))) == 0
+        return bool(done.all())
 
     def wake(self, named_tensors):
         """The engine samples from the policy object itself: always current, nothing to push."""
 
     def sleep(self):
         """Nothing to free: there is no second copy of the weights."""
+
+
+def sample_next(logits, temperature, top_p, top_k, generators):
+    """(R,) next tokens and (R,) their logprobs under the processed distribution: logits / temperature, then
+    top-k, then top-p (transformers' order; the kept tokens renormalised, as vLLM's processed logprobs are).
+
+    Each row draws from its own generator, so a row's sample depends on its seed only, not on the batch
+    it is in (N ranks sample what one process does). temperature 0: greedy, logprobs None.
+    """
+    if temperature == 0:
+        return logits.argmax(-1), None
+    z = logits / temperature  # (R, V)
+    if top_k > 0:
+        kth = z.topk(min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:  # drop the least likely tokens whose total probability is at most 1 - top_p
+        sorted_z, order = z.sort(dim=-1)
+        tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
+        tail[:, -1] = False  # the most likely token always stays
+        z = z.masked_fill(tail.scatter(1, order, tail), float("-inf"))
+    logp = torch.log_softmax(z, dim=-1)
+    token = torch.cat([torch.multinomial(logp[r].exp(), 1, generator=g) for r, g in enumerate(generators)])
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)

@@ -20,6 +20,7 @@ batch_size = 256  # 32 prompts x 8 completions per optimizer step
 max_prompt_len = 256
 max_completion_len = 1024
 micro_batch_tokens = 16384  # O3
+fused_logprobs = True  # L6: no (B, T, V) logits; at a 152k vocabulary they and their gradient are ~10 GB here
 
 temperature = 1.0  # R4
 gpu_memory_utilization = 0.3  # R1: fp32 master weights + AdamW take ~48 GB beside it

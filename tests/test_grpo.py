@@ -164,6 +164,33 @@ def test_micro_batches_respect_the_token_budget():
     assert grpo.micro_batches([300], 100) == [[0]]  # one sequence is never split (pre-flight keeps it within budget)
 
 
+def test_shared_prompt_micro_batches_keep_groups_whole_under_the_budget():
+    """Cost of a micro-batch: its groups' prompts but the last token, once (groups x longest), plus every row's
+    last prompt token + completion (rows x longest). Hand-worked: groups 0 (prompt 11) and 1 (prompt 21), G = 2."""
+    lengths, prompt_lens, groups = [20, 15, 40, 30], [11, 11, 21, 21], [0, 0, 1, 1]
+    assert grpo.shared_prompt_cost([0, 1], lengths, prompt_lens, groups) == (1 * 10 + 2 * 10, 10 + 10 + 5)
+    assert grpo.shared_prompt_cost([0, 2], lengths, prompt_lens, groups) == (2 * 20 + 2 * 20, 30 + 10 + 20)
+    assert grpo.shared_micro_batches(lengths, prompt_lens, groups, 1000) == [[2, 3, 0, 1]]  # longest group first
+    assert grpo.shared_micro_batches(lengths, prompt_lens, groups, 60) == [[2, 3], [0, 1]]  # 20 + 2 x 20 = 60 fits
+    # a group over the budget alone is split between its rows, each part computing the prompt once
+    assert grpo.shared_micro_batches(lengths, prompt_lens, groups, 45) == [[2], [3], [0, 1]]
+
+
+def test_shared_prompt_and_fused_logprobs_give_the_padded_runs_numbers(tmp_path):
+    """The same fixed-seed run with each prompt computed once and the fused head, and without either: every
+    logged figure but the positions computed (and pad_frac, their padding) agrees to fp32 rounding."""
+    args = ["--engine=hf", "--dtype=float32", "--max_steps=2", "--beta=0.02", "--num_iterations=2", "--eval_every=0",
+            "--micro_batch_tokens=192"]
+    run(tmp_path / "padded", *args, "--shared_prompt=false", "--fused_logprobs=false")
+    run(tmp_path / "shared", *args, "--shared_prompt=true", "--fused_logprobs=true")
+    a, b = read_jsonl(tmp_path / "padded" / "metrics.jsonl"), read_jsonl(tmp_path / "shared" / "metrics.jsonl")
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b):
+        assert x["tokens"] == y["tokens"] and y["tokens_computed"] < x["tokens_computed"]
+        for key in ("reward", "loss", "grad_norm", "kl", "entropy", "approx_kl_old", "sampler_logprob_diff_mean"):
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+
+
 def test_pad_batch_masks_only_response_tokens():
     from rollout import Completion
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from loss import adaptive_kl_beta, grpo_loss, logprobs_and_entropy, lr_at, token_logprobs
+from loss import adaptive_kl_beta, grpo_loss, linear_logprobs_and_entropy, logprobs_and_entropy, lr_at, token_logprobs
 
 LN = math.log
 
@@ -68,6 +68,60 @@ def test_gradcheck():
     tokens = torch.randint(0, 5, (2, 3))
     assert torch.autograd.gradcheck(lambda x: tuple(logprobs_and_entropy(x, tokens, 0.9, chunk=2)), (x,))
 
+
+
+def test_linear_logprobs_hand_example_and_no_logits():
+    """hidden [1, 0] and rows [0, 0], [ln 3, 0] are the logits [0, ln 3]: log p(token 1) = ln(3/4)."""
+    weight = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]])
+    lp, ent = linear_logprobs_and_entropy(torch.tensor([[[1.0, 0.0]]]), weight, torch.tensor([[1]]))
+    assert lp.item() == pytest.approx(math.log(0.75), abs=1e-6)
+    assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_linear_logprobs_equal_the_logits_path_values_and_gradients(chunk):
+    """Against logprobs_and_entropy(h W^T + b): the same values and the same gradients in h, W and b (fp32)."""
+    torch.manual_seed(0)
+    h = torch.randn(3, 5, 16, requires_grad=True)
+    w, b = torch.randn(50, 16, requires_grad=True), torch.randn(50, requires_grad=True)
+    tokens = torch.randint(0, 50, (3, 5))
+    up_lp, up_ent = torch.randn(3, 5), torch.randn(3, 5)  # arbitrary upstream gradients
+
+    def grads(fn):
+        lp, ent = fn()
+        ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
+        out = lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone(), b.grad.clone()
+        h.grad = w.grad = b.grad = None
+        return out
+
+    fused = grads(lambda: linear_logprobs_and_entropy(h, w, tokens, 0.7, bias=b, chunk=chunk))
+    plain = grads(lambda: logprobs_and_entropy(h @ w.T + b, tokens, 0.7))
+    for got, want in zip(fused, plain):
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_logprobs_gradcheck():
+    torch.manual_seed(1)
+    h = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 7, (2, 3))
+    assert torch.autograd.gradcheck(lambda h, w, b: linear_logprobs_and_entropy(h, w, tokens, 0.9, bias=b, chunk=2),
+                                    (h, w, b))
+
+
+def test_linear_logprobs_under_bf16_autocast_match_bf16_logits():
+    """Under autocast the head's matmul runs in bf16, as the model's own head would: the same logprobs as
+    bf16 logits through logprobs_and_entropy, and gradients of the fp32 master weights in fp32."""
+    torch.manual_seed(2)
+    h, w = torch.randn(2, 4, 32), torch.randn(64, 32, requires_grad=True)
+    tokens = torch.randint(0, 64, (2, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = linear_logprobs_and_entropy(h, w, tokens)
+        want, _ = logprobs_and_entropy(h @ w.T, tokens)  # bf16 logits
+    assert lp.dtype == torch.float32 and torch.allclose(lp, want, atol=1e-4)
+    lp.sum().backward()
+    assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
 
 def test_non_contiguous_logits_slice():
     # the trainer passes model_logits[:, :-1], a non-contiguous view

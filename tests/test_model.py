@@ -131,3 +131,92 @@ def test_dropout_is_off_in_the_policy(tmp_path):
     _, policy = load_policy(load_config(overrides=["--dtype=float32"]), folder, "cpu")
     policy.train()
     assert torch.equal(policy(ids).logits, policy(ids).logits)
+
+
+# ---------------------------------------------------------------- the trainer's forward: shared prompts, fused head
+
+
+def grouped_rows(vocab, seed=0):
+    """Right-padded rows of 3 groups of 2 (prompts of 5, 7 and 2 tokens; completions of 1-6), their response mask."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for P, lengths in [(5, [3, 6]), (7, [1, 4]), (2, [5, 2])]:
+        prompt = torch.randint(0, vocab, (P,), generator=g).tolist()
+        rows += [(prompt, torch.randint(0, vocab, (C,), generator=g).tolist()) for C in lengths]
+    L = max(len(p) + len(c) for p, c in rows)
+    ids, attention = torch.zeros(len(rows), L, dtype=torch.long), torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L - 1)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)], attention[i, : len(p) + len(c)] = torch.tensor(p + c), 1
+        mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1
+    return ids, attention, mask, torch.tensor([len(p) for p, _ in rows]), torch.arange(len(rows)) // 2
+
+
+def values_and_grads(model, fn, mask):
+    """(logprobs, entropy) on the response tokens and every parameter's gradient of a loss using both."""
+    model.zero_grad(set_to_none=True)
+    lp, ent = fn()
+    weights = torch.linspace(-1, 1, mask.shape[1])
+    ((lp * weights + 0.3 * ent) * mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (lp * mask).detach(), (ent * mask).detach(), grads
+
+
+@pytest.mark.parametrize("setup", ["tied", "untied", "checkpointing", "lora"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_shared_prompt_forward_equals_the_padded_rows(tmp_path_factory, setup, fused):
+    """Each group's prompt once (prompt pass + completions on its keys and values) gives the padded forward's
+    logprobs, entropies and gradients to 1e-5 in fp32: tied and untied heads, gradient checkpointing, LoRA."""
+    from transformers import AutoModelForCausalLM
+
+    from model import sequence_logprobs, shared_prompt_logprobs
+
+    folder = build_tiny(str(tmp_path_factory.getbasetemp() / f"tiny_{setup == 'untied'}"), tie=setup != "untied")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if setup == "checkpointing":
+        model.gradient_checkpointing_enable()
+    if setup == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    model.train()
+    ids, attention, mask, prompt_lens, groups = grouped_rows(model.config.vocab_size)
+    padded = values_and_grads(model, lambda: sequence_logprobs(model, ids, 0.7, False, attention_mask=attention), mask)
+    shared = values_and_grads(
+        model, lambda: shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 0.7, fused), mask)
+    assert torch.allclose(shared[0], padded[0], atol=1e-5) and torch.allclose(shared[1], padded[1], atol=1e-5)
+    assert shared[2].keys() == padded[2].keys() and len(padded[2]) > 0
+    for name, grad in padded[2].items():
+        assert torch.allclose(shared[2][name], grad, atol=1e-5), name
+    assert padded[0].abs().sum() > 0 and (shared[0] != 0).sum() == mask.sum()  # every response token, nothing else
+
+
+def test_shared_prompt_rows_may_come_in_any_order_and_split_a_group(tmp_path):
+    """A micro-batch may hold part of a group (a group over the token budget) and rows in any order."""
+    from transformers import AutoModelForCausalLM
+
+    from model import sequence_logprobs, shared_prompt_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny(str(tmp_path / "tiny")), dtype=torch.float32)
+    ids, attention, mask, prompt_lens, groups = grouped_rows(model.config.vocab_size, seed=3)
+    rows = [5, 0, 3]  # one row each of groups 2, 0, 1
+    with torch.no_grad():
+        want, _ = sequence_logprobs(model, ids[rows], 1.0, False, attention_mask=attention[rows])
+        got, _ = shared_prompt_logprobs(model, ids[rows], attention[rows], prompt_lens[rows], groups[rows], 1.0, True)
+    m = mask[rows]
+    assert torch.allclose(got * m, want * m, atol=1e-5)
+
+
+def test_fused_head_is_refused_for_models_with_transformed_logits(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from model import fused_head_unsupported
+
+    model = AutoModelForCausalLM.from_pretrained(tiny[1], dtype=torch.float32)
+    assert fused_head_unsupported(model) is None
+    model.config.final_logit_softcapping = 30.0  # Gemma 2 caps the logits after the head
+    assert "final_logit_softcapping" in fused_head_unsupported(model)

@@ -98,7 +98,9 @@ def test_hf_engine_parity_and_fields(tiny):
     for prompt, group in zip(prompts, groups):
         for c in group:
             assert c.prompt_ids == prompt and len(c.logprobs) == len(c.completion_ids) <= 24
-            assert tokenizer.pad_token_id not in c.completion_ids
+            # a completion ends at its first stop token, or at the length limit; nothing of the padding after it
+            assert not any(t in engine.stop for t in c.completion_ids[:-1])
+            assert c.completion_ids[-1] in engine.stop or len(c.completion_ids) == 24
             assert c.truncated == (len(c.completion_ids) == 24 and c.completion_ids[-1] != tokenizer.eos_token_id)
     # the engine samples from the policy object itself: a change to the policy is its next output
     before = [c.completion_ids for g in sample(engine, prompts, temperature=0.0, n=1) for c in g]
@@ -235,3 +237,41 @@ def test_vllm_seeds_survive_a_fresh_engine_and_stops_match_the_hf_engine(tiny, t
     assert a["rank0"] != a["rank1"]  # other seeds, other samples
     assert a["stop"] == HFEngine(load_policy(cfg, folder, "cpu")[1], tokenizer).stop
     assert a["greedy"][0] == [[first]]  # vLLM stopped on the second listed EOS too, and kept it
+
+
+def test_hf_engine_batches_prompts_yet_each_row_follows_its_own_seed(tiny):
+    """Every prompt of a call in one left-padded batch, yet row j of a prompt is drawn from seed + j alone: two
+    ranks' halves sampled apart give one process's samples, a fresh engine the same ones, other seeds others."""
+    from grpo import sampling_seeds
+
+    cfg, _, tokenizer, policy, prompts = tiny
+    assert len(prompts[0]) != len(prompts[1])  # the batch is padded
+
+    def ids(engine, ps, seeds):
+        groups = engine.generate(ps, 3, seeds=seeds, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=24)
+        return [[c.completion_ids for c in g] for g in groups]
+
+    engine, seeds = HFEngine(policy, tokenizer), sampling_seeds(cfg, 3, 0, 2)
+    both = ids(engine, prompts, seeds)
+    assert both == ids(engine, prompts[:1], seeds[:1]) + ids(engine, prompts[1:], seeds[1:])  # 1 rank == 2 ranks
+    assert both == ids(HFEngine(policy, tokenizer), prompts, seeds)  # a fresh engine (a resumed run)
+    assert both != ids(engine, prompts, [s + 100 for s in seeds])
+    assert len({tuple(row) for row in both[0]}) > 1  # a group's rows are not copies of each other
+
+
+def test_sample_next_keeps_top_k_and_top_p_and_renormalises():
+    """probs 0.1, 0.2, 0.3, 0.4: top_k=2 and top_p=0.5 both keep {0.3, 0.4} -> 3/7, 4/7; top_p=0.8 drops only 0.1."""
+    import math
+
+    from rollout import sample_next
+
+    logits = torch.tensor([[math.log(p) for p in (0.1, 0.2, 0.3, 0.4)]]).repeat(400, 1)
+    generators = [torch.Generator().manual_seed(i) for i in range(400)]
+    for top_p, top_k, kept in [(1.0, 2, {2: 3 / 7, 3: 4 / 7}), (0.5, -1, {2: 3 / 7, 3: 4 / 7}),
+                               (0.8, -1, {1: 2 / 9, 2: 3 / 9, 3: 4 / 9}), (1.0, -1, {0: 0.1, 1: 0.2, 2: 0.3, 3: 0.4})]:
+        tokens, logprobs = sample_next(logits, 1.0, top_p, top_k, generators)
+        assert set(tokens.tolist()) == set(kept)  # 400 draws reach every kept token, and no other
+        for t, lp in zip(tokens.tolist(), logprobs.tolist()):
+            assert lp == pytest.approx(math.log(kept[t]), abs=1e-6)
+    tokens, logprobs = sample_next(logits[:2], 0.0, 1.0, -1, generators[:2])
+    assert tokens.tolist() == [3, 3] and logprobs is None  # temperature 0: greedy
