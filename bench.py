@@ -82,8 +82,11 @@ def peak_of(fn, device):
     return status("VmHWM") - base
 
 
-def memory(argv):
-    """Peak memory of our update on one full micro-batch against a plain HF forward+backward."""
+def memory(argv, vocab=0):
+    """Peak memory of our update on one full micro-batch against a plain HF forward+backward; with `vocab`, on a
+    random-weight model of the config's shape with that vocabulary (151936: Qwen2.5's)."""
+    import dataclasses
+
     import torch
 
     from config import config_from_argv
@@ -93,7 +96,15 @@ def memory(argv):
 
     cfg = config_from_argv(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    _, policy = load_policy(cfg, model_path(cfg), device)
+    if vocab:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from preflight import SHAPES
+
+        torch.manual_seed(0)
+        policy = LlamaForCausalLM(LlamaConfig(**{**SHAPES[cfg.model], "vocab_size": vocab})).to(device)
+    else:
+        _, policy = load_policy(cfg, model_path(cfg), device)
     L = min(cfg.micro_batch_tokens, cfg.max_prompt_len + cfg.max_completion_len)
     B = cfg.micro_batch_tokens // L
     ids = torch.randint(0, policy.config.vocab_size, (B, L), device=device)
@@ -106,28 +117,32 @@ def memory(argv):
         loss.backward()
         policy.zero_grad(set_to_none=True)
 
-    def update(naive):
+    def update(naive, fused=False):
         if naive:  # what most GRPO code does: a full fp32 log_softmax over (B, T, V), kept for backward
             with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
                 logits = policy(input_ids=ids, attention_mask=attention).logits
             logp = torch.log_softmax(logits[:, :-1].float() / cfg.temperature, dim=-1)
             lp, entropy = logp.gather(-1, ids[:, 1:, None]).squeeze(-1), None
         else:
-            lp, entropy = forward_logprobs(policy, ids, attention, cfg, cfg.temperature)
+            lp, entropy = forward_logprobs(policy, ids, attention, dataclasses.replace(cfg, fused_logprobs=fused),
+                                           cfg.temperature)
         loss, _ = grpo_loss(lp, lp.detach(), torch.randn(B, device=device), mask, ref_logprobs=lp.detach(),
                             beta=cfg.beta, entropy=entropy, entropy_coef=cfg.entropy_coef)
         loss.backward()
         policy.zero_grad(set_to_none=True)
 
-    plain(), update(False), update(True)  # warm the allocator
+    plain(), update(False), update(True), update(False, fused=True)  # warm the allocator
     plain_gb = min(peak_of(plain, device) for _ in range(2))
     ours_gb = min(peak_of(lambda: update(False), device) for _ in range(2))
+    fused_gb = min(peak_of(lambda: update(False, fused=True), device) for _ in range(2))
     naive_gb = min(peak_of(lambda: update(True), device) for _ in range(2))
-    print(f"micro-batch {B} x {L} tokens on {device}: plain HF forward+backward {plain_gb:.3f} GB | "
-          f"GRPO update {ours_gb:.3f} GB (ratio {ours_gb / plain_gb:.2f}, target <= 1.3) | "
-          f"same update with a full fp32 log_softmax {naive_gb:.3f} GB (ratio {naive_gb / plain_gb:.2f})")
-    print(json.dumps({"micro_batch": [B, L], "plain_gb": plain_gb, "grpo_update_gb": ours_gb,
-                      "naive_log_softmax_gb": naive_gb, "ratio": ours_gb / plain_gb}))
+    print(f"micro-batch {B} x {L} tokens, vocabulary {policy.config.vocab_size}, on {device}: plain HF "
+          f"forward+backward {plain_gb:.3f} GB | GRPO update {ours_gb:.3f} GB ({ours_gb / plain_gb:.2f}x) | "
+          f"with fused_logprobs {fused_gb:.3f} GB ({fused_gb / plain_gb:.2f}x; {fused_gb / ours_gb:.2f}x the "
+          f"update's) | with a full fp32 log_softmax {naive_gb:.3f} GB ({naive_gb / plain_gb:.2f}x)")
+    print(json.dumps({"micro_batch": [B, L], "vocab": policy.config.vocab_size, "plain_gb": plain_gb,
+                      "grpo_update_gb": ours_gb, "fused_logprobs_gb": fused_gb, "naive_log_softmax_gb": naive_gb,
+                      "ratio": ours_gb / plain_gb}))
 
 
 PASS_VARIANTS = [  # (name, shared_prompt, fused_logprobs); the first is the plain padded path
@@ -310,6 +325,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--engines", default="vllm,hf")
     parser.add_argument("--memory", action="store_true", help="measure the update's peak memory instead")
+    parser.add_argument("--vocab", type=int, default=0, help="with --memory: a random model with this vocabulary")
     parser.add_argument("--update", action="store_true", help="time the update alone on random weights (torchrun)")
     parser.add_argument("--micro-batches", type=int, default=4, help="with --update: micro-batches per step")
     parser.add_argument("--passes", choices=["run", "countdown"], default=None,
@@ -318,7 +334,7 @@ def main():
     args, overrides = parser.parse_known_args()
     config_args = (["--config", args.config] if args.config else []) + overrides
     if args.memory:
-        return memory(config_args)
+        return memory(config_args, args.vocab)
     if args.passes:
         return passes(config_args, args.passes, args.repeats)
     if args.update:

@@ -298,20 +298,12 @@ def prepare_update(batch, advantages, cfg, pad_id, device):
         check_shared_prompts(batch.completions, cfg.group_size)
     ids, attention, mask, sampler_lp, advantages, prompt_lens, groups = (
         t.to(device) for t in (ids, attention, mask, sampler_lp, advantages, prompt_lens, groups))
-    lengths, plens, gs = attention.sum(1).tolist(), prompt_lens.tolist(), groups.tolist()
+    sizes = attention.sum(1).tolist(), prompt_lens.tolist(), groups.tolist()
     first_group = parallel.rank() * (cfg.prompts_per_step // parallel.world())
     minis, computed, computed_real = [], 0, 0
     for rows in mini_batch_rows(len(batch), cfg.group_size, cfg.mini_batches, first_group):
-        if cfg.shared_prompt:  # whole groups per micro-batch, each prompt computed once
-            plan = shared_micro_batches([lengths[r] for r in rows], [plens[r] for r in rows],
-                                        [gs[r] for r in rows], cfg.micro_batch_tokens)
-        else:
-            plan = micro_batches([lengths[r] for r in rows], cfg.micro_batch_tokens)
-        micro = [[rows[i] for i in mb] for mb in plan]
-        for mb in micro:
-            n, real = (shared_prompt_cost(mb, lengths, plens, gs) if cfg.shared_prompt
-                       else (len(mb) * max(lengths[r] for r in mb), sum(lengths[r] for r in mb)))
-            computed, computed_real = computed + n, computed_real + real
+        micro, n, real = plan_micro_batches(rows, *sizes, cfg)
+        computed, computed_real = computed + n, computed_real + real
         # L2: token-mean over the response tokens of the whole (global) mini-batch; the batch when mini_batches = 1
         minis.append(MiniBatch(micro, int(parallel.all_sum(mask[rows].sum())), int(parallel.all_sum(len(rows)))))
     tokens = parallel.all_sum(attention.sum())
@@ -324,6 +316,19 @@ def prepare_update(batch, advantages, cfg, pad_id, device):
         tensors[6][len(batch):] = torch.arange(len(batch), len(tensors[6]), device=device)
     has_sampler_logprobs = bool(batch.completions and batch.completions[0].logprobs)
     return UpdateBatch(*tensors, minis, tokens, computed, computed_real, has_sampler_logprobs)
+
+
+def plan_micro_batches(rows, lengths, prompt_lens, groups, cfg):
+    """O3: one mini-batch's rows as micro-batches under the token budget; (micro, positions computed, real tokens)."""
+    sub = [lengths[r] for r in rows], [prompt_lens[r] for r in rows], [groups[r] for r in rows]
+    if cfg.shared_prompt:  # whole groups per micro-batch, each prompt computed once
+        plan = shared_micro_batches(*sub, cfg.micro_batch_tokens)
+        costs = [shared_prompt_cost(mb, *sub) for mb in plan]
+    else:  # padded rows: rows x longest
+        plan = micro_batches(sub[0], cfg.micro_batch_tokens)
+        costs = [(len(mb) * max(sub[0][i] for i in mb), sum(sub[0][i] for i in mb)) for mb in plan]
+    micro = [[rows[i] for i in mb] for mb in plan]  # back to the batch's row indices
+    return micro, sum(n for n, _ in costs), sum(real for _, real in costs)
 
 
 def check_shared_prompts(completions, G):

@@ -328,18 +328,22 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
         n = int(lengths[r] - prompt_lens[r] + 1)
         rows_ids[r, :n] = ids[r, prompt_lens[r] - 1 : lengths[r]]
         rows_mask[r, :n] = 1
-    cache = None
+    cache, tie = None, 0.0
     with checkpoint_with_cache(model):
         if P > 0:
             cache = PromptCache()
             positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-            model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
-                  use_cache=False, logits_to_keep=1)  # only the keys and values are wanted
+            out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                        past_key_values=cache, use_cache=False, logits_to_keep=1)  # only the keys and values are wanted
+            # FSDP2 gathers a layer's weights for backward when the gradient of the layer's output arrives; the
+            # prompt's keys and values bypass the outputs, so the pass's output joins the result with weight 0
+            tie = 0.0 * out.logits.float().sum()
             cache = SharedPromptCache([(layer.keys[slot_of], layer.values[slot_of]) for layer in cache.layers])
         positions = (prompt_lens - 1)[:, None] + torch.arange(C, device=device)  # (b, C)
         mask = torch.cat([prompt_mask[slot_of], rows_mask], 1) if P > 0 else rows_mask
         lp, entropy = sequence_logprobs(model, rows_ids, temperature, fused, attention_mask=mask,
                                         position_ids=positions, past_key_values=cache, use_cache=False)
+    lp = lp + tie
     # (b, C-1) -> (b, L-1): completion-pass position j predicts the token at padded position P_r + j
     cols = (prompt_lens - 1)[:, None] + torch.arange(C - 1, device=device)  # (b, C-1)
     valid = rows_mask[:, 1:].bool()

@@ -230,7 +230,9 @@ def test_every_loop_toggle_runs_and_shows_its_effect(tmp_path):
     # R7: the log counts every group drawn (the first draw and the refills); the update, the kept ones only
     for m in metrics:
         informative = round(m["effective_group_ratio"] * m["drawn/prompts"])  # groups with a reward spread
-        assert m["drawn/prompts"] == 4 * (1 + m["refill_rounds"]) and m["kept/prompts"] == min(4, informative)
+        # each refill round draws the groups still missing: 1 to 4 of them
+        assert 4 + m["refill_rounds"] <= m["drawn/prompts"] <= 4 * (1 + m["refill_rounds"])
+        assert m["kept/prompts"] == min(4, informative)
     with open(tmp_path / "ckpt_000006" / "trainer_state.json") as f:
         state = json.load(f)
     assert state["sampler"]["calls"] >= 6 and state["sampler"]["pass_rate"]  # D2 state in the checkpoint
@@ -324,10 +326,14 @@ def test_a_skipped_push_is_caught_by_the_parity_metric(tmp_path, capsys):
 
 
 def test_dynamic_sampling_logs_and_feeds_every_group_drawn(tmp_path):
-    """R7 on a task the tiny model never solves: every group is all-wrong, so every one is dropped. The log and
-    the curriculum must still see them (DAPO and verl log the statistics before the filter)."""
+    """R7 on a task nothing solves: every group is all-wrong, so every one is dropped. The log and the
+    curriculum must still see them (DAPO and verl log the statistics before the filter)."""
+    never = tmp_path / "never.py"  # a reward of 0 whatever is sampled: no group has a spread
+    never.write_text("def problems(split, n, seed):\n    return [{'id': f'{split}{i}', 'q': str(i)} for i in range(n)]\n"
+                     "def prompt(p):\n    return [{'role': 'user', 'content': 'Say ' + p['q']}]\n"
+                     "def reward(completion, problem):\n    return {'correct': 0.0}\n")
     grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
-               "--task=math", "--max_prompt_len=160", "--micro_batch_tokens=256", "--max_steps=2", "--eval_every=0",
+               f"--task={never}", "--max_prompt_len=160", "--micro_batch_tokens=256", "--max_steps=2", "--eval_every=0",
                "--dynamic_sampling=true",
                "--dynamic_sampling_rounds=1", "--curriculum=true"])
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
