@@ -298,6 +298,26 @@ def checkpoint_with_cache(model):
             del layer._can_checkpoint_with_cache
 
 
+def split_shared_prompts(ids, attention, prompt_lens, groups):
+    """The two passes' inputs: (n, P) each group's prompt but its last token, left-padded, and its mask; (b, C)
+    each row's last prompt token + completion, right-padded, and its mask; (b,) each row's group slot in 0..n-1."""
+    lengths = attention.sum(1)
+    slots, slot_of = torch.unique(groups, return_inverse=True)  # the distinct groups here; (b,) each row's
+    first = [int((slot_of == s).nonzero()[0]) for s in range(len(slots))]  # a row of each group
+    prefix = prompt_lens[first] - 1  # (n,) tokens each group's prompt pass computes
+    P, C = int(prefix.max()), int((lengths - prompt_lens + 1).max())
+    prompt_ids, prompt_mask = ids.new_zeros(len(first), P), attention.new_zeros(len(first), P)
+    for s, r in enumerate(first):  # left padding: each prompt ends where its completions begin
+        prompt_ids[s, P - prefix[s] :] = ids[r, : prefix[s]]
+        prompt_mask[s, P - prefix[s] :] = 1
+    rows_ids, rows_mask = ids.new_zeros(len(ids), C), attention.new_zeros(len(ids), C)
+    for r in range(len(ids)):
+        n = int(lengths[r] - prompt_lens[r] + 1)
+        rows_ids[r, :n] = ids[r, prompt_lens[r] - 1 : lengths[r]]
+        rows_mask[r, :n] = 1
+    return prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of
+
+
 def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, fused):
     """sequence_logprobs of right-padded rows whose groups share a prompt, computing each prompt once.
 
@@ -313,21 +333,8 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
     """
     b, L = ids.shape
     device = ids.device
-    lengths = attention.sum(1)
-    slots, slot_of = torch.unique(groups, return_inverse=True)  # the distinct groups here; (b,) each row's
-    first = [int((slot_of == s).nonzero()[0]) for s in range(len(slots))]  # a row of each group
-    prefix = prompt_lens[first] - 1  # (n,) tokens each group's prompt pass computes
-    P, C = int(prefix.max()), int((lengths - prompt_lens + 1).max())
-    prompt_ids = ids.new_zeros(len(first), P)
-    prompt_mask = attention.new_zeros(len(first), P)
-    for s, r in enumerate(first):  # left padding: each prompt ends where its completions begin
-        prompt_ids[s, P - prefix[s] :] = ids[r, : prefix[s]]
-        prompt_mask[s, P - prefix[s] :] = 1
-    rows_ids, rows_mask = ids.new_zeros(b, C), attention.new_zeros(b, C)
-    for r in range(b):
-        n = int(lengths[r] - prompt_lens[r] + 1)
-        rows_ids[r, :n] = ids[r, prompt_lens[r] - 1 : lengths[r]]
-        rows_mask[r, :n] = 1
+    prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of = split_shared_prompts(ids, attention, prompt_lens, groups)
+    P, C = prompt_ids.shape[1], rows_ids.shape[1]
     cache, tie = None, 0.0
     with checkpoint_with_cache(model):
         if P > 0:
