@@ -329,7 +329,8 @@ def test_dynamic_sampling_logs_and_feeds_every_group_drawn(tmp_path):
     """R7 on a task nothing solves: every group is all-wrong, so every one is dropped. The log and the
     curriculum must still see them (DAPO and verl log the statistics before the filter)."""
     never = tmp_path / "never.py"  # a reward of 0 whatever is sampled: no group has a spread
-    never.write_text("def problems(split, n, seed):\n    return [{'id': f'{split}{i}', 'q': str(i)} for i in range(n)]\n"
+    never.write_text("def problems(split, n, seed):\n"
+                     "    return [{'id': f'{split}{i}', 'q': str(i)} for i in range(n)]\n"
                      "def prompt(p):\n    return [{'role': 'user', 'content': 'Say ' + p['q']}]\n"
                      "def reward(completion, problem):\n    return {'correct': 0.0}\n")
     grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
