@@ -156,7 +156,7 @@ def with_generation_config(path, tmp_path, **fields):
 
 def test_hf_engine_ignores_the_models_sampling_defaults(tiny, tmp_path):
     """Qwen2.5-Instruct ships repetition_penalty 1.05; transformers fills every unset setting from it. The samples
-    must follow the trainer's distribution exactly, so the HF engine starts from a clean GenerationConfig."""
+    must follow the trainer's distribution exactly: the HF engine's own decoding loop reads only its EOS list."""
     cfg, path, tokenizer, _, prompts = tiny
     folder = with_generation_config(path, tmp_path, do_sample=True, repetition_penalty=3.0, no_repeat_ngram_size=2,
                                     top_k=5, min_p=0.2)
