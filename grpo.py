@@ -871,8 +871,9 @@ def build_models(cfg, path, device, resume_from):
     weights = resume_from if resume_from and not cfg.lora_rank else (cfg.init_from or path)
     tokenizer, policy = load_policy(cfg, weights, device, adapter=resume_from if cfg.lora_rank else None)
     policy.train()
-    if cfg.fused_logprobs and fused_head_unsupported(policy):  # the plain logits path is always exact
-        print(f"fused_logprobs off: {fused_head_unsupported(policy)}; logprobs come from the full logits")
+    why = fused_head_unsupported(policy) if cfg.fused_logprobs else None
+    if why:  # the plain logits path is always exact
+        print(f"fused_logprobs off: {why}; logprobs come from the full logits")
         cfg.fused_logprobs = False
     # under torchrun: FSDP2 shards `policy` in place (train_model is policy); DDP wraps it for the update
     train_model = parallel.wrap(policy, cfg.parallel, cfg.dtype)

@@ -36,11 +36,7 @@ class _LogprobsEntropy(torch.autograd.Function):
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
         for b, s in _chunks(B, T, chunk):
             z = logits[b, s].to(dtype) / temperature  # (c, V): the only fp32 copy, one chunk at a time
-            lse[b, s] = torch.logsumexp(z, dim=-1)
-            logp[b, s] = z.gather(-1, tokens[b, s, None]).squeeze(-1) - lse[b, s]
-            log_p = z - lse[b, s, None]  # (c, V)
-            # H = -sum p log p; the equal form lse - sum p z loses ~1e-5 to cancellation in fp32
-            entropy[b, s] = -(torch.exp(log_p) * log_p).sum(-1)
+            lse[b, s], logp[b, s], entropy[b, s] = _softmax_stats(z, tokens[b, s])
         ctx.save_for_backward(logits, tokens, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp, entropy
@@ -97,10 +93,7 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
         for s in range(0, len(hidden), chunk):
             s = slice(s, s + chunk)
             z = _head(hidden[s], w, bias, compute_dtype).to(dtype) / temperature  # (c, V), one chunk
-            lse[s] = torch.logsumexp(z, dim=-1)
-            logp[s] = z.gather(-1, tokens[s, None]).squeeze(-1) - lse[s]
-            log_p = z - lse[s, None]
-            entropy[s] = -(torch.exp(log_p) * log_p).sum(-1)
+            lse[s], logp[s], entropy[s] = _softmax_stats(z, tokens[s])
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
         return logp, entropy
@@ -131,6 +124,14 @@ def _head(h, w, bias, compute_dtype):
     """h W^T (+ b) in compute_dtype: the logits of one chunk of positions."""
     z = h.to(compute_dtype) @ w.T
     return z + bias.to(compute_dtype) if bias is not None else z
+
+
+def _softmax_stats(z, tokens):
+    """(logsumexp, log p(token), entropy), each (c,), of one chunk of (c, V) scaled logits and its (c,) tokens."""
+    lse = torch.logsumexp(z, dim=-1)
+    log_p = z - lse[:, None]  # (c, V)
+    # H = -sum p log p; the equal form lse - sum p z loses ~1e-5 to cancellation in fp32
+    return lse, log_p.gather(-1, tokens[:, None]).squeeze(-1), -(torch.exp(log_p) * log_p).sum(-1)
 
 
 def _softmax_grad(log_p, tokens, entropy, grad_logp, grad_entropy):

@@ -200,10 +200,9 @@ class HFEngine:
         """
         device = next(self.policy.parameters()).device
         pad = self.tokenizer.pad_token_id
-        if not rows:  # FSDP2 under synced_gpus: a rank with no prompts still joins every forward
-            rows = [([pad], 0)] if self.synced_gpus else []
-            if not rows:
-                return [], []
+        if not rows and not self.synced_gpus:
+            return [], []
+        rows = rows or [([pad], 0)]  # FSDP2 under synced_gpus: a rank with no prompts still joins every forward
         R, P = len(rows), max(len(p) for p, _ in rows)
         ids = torch.full((R, P), pad, dtype=torch.long, device=device)
         mask = torch.zeros(R, P, dtype=torch.long, device=device)
