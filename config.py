@@ -112,6 +112,15 @@ class Config:
     is_cap: float = 2.0  # R2: cap on the per-token ratio (TRL vllm_importance_sampling_cap)
     is_seq_cap: float = 3.0  # R2: cap on the completion's ratio, the product over its tokens (not a geometric mean)
 
+    # ---- tool calls (multi-turn rollouts, rollout.ToolEngine) ----
+    tools: bool = False  # a completion may run Python: <python>code</python>, the output comes back; False = one turn
+    max_tool_calls: int = 2  # tool calls per completion; the turn after the last may not call
+    tool_timeout: float = 5.0  # seconds a call may run in the sandbox; past it, killed and an error
+    tool_output_chars: int = 500  # a call's output is cut to this many characters (with a marker)
+    tool_open: str = "<python>"  # a call is the code between tool_open and tool_close (generation stops at the close)
+    tool_close: str = "</python>"
+    tool_error_penalty: float = 0.0  # subtracted from the reward per failed call (raised, timed out, killed); 0 = off
+
     # ---- advantages (A1-A3) ----
     adv_baseline: str = "mean"  # A1: "mean" of the group (GRPO) | "leave-one-out": the other G-1's mean (RLOO)
     # "batch": TRL scale_rewards="batch", REINFORCE++-baseline
@@ -456,13 +465,13 @@ def validate(cfg):
                  "train_size",
                  "eval_k", "max_nonfinite", "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha", "push_bucket_mb",
                  "test_size", "countdown_max_number", "countdown_max_target", "math_max_number",
-                 "length_penalty_tokens"):
+                 "length_penalty_tokens", "max_tool_calls", "tool_output_chars"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
     for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay", "grad_clip", "lora_rank",
                  "length_soft_limit", "length_min", "curriculum_ramp_steps", "save_every", "eval_every",
                  "sample_every", "sample_groups", "temperature_end", "dynamic_sampling_rounds", "ref_refresh_steps",
-                 "reward_workers", "reward_timeout"):
+                 "reward_workers", "reward_timeout", "tool_error_penalty"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 0")
     for name in ("is_cap", "is_seq_cap"):
@@ -476,6 +485,11 @@ def validate(cfg):
         raise ConfigError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1); 0.3-0.5 (R1)")
     if not 0 < cfg.temperature or not 0 < cfg.top_p <= 1:
         raise ConfigError(f"temperature={cfg.temperature} must be > 0 and top_p={cfg.top_p} in (0, 1]")
+    if not cfg.tool_open or not cfg.tool_close or cfg.tool_close in cfg.tool_open:
+        raise ConfigError(f"tool_open={cfg.tool_open!r}, tool_close={cfg.tool_close!r}: both non-empty, and the close "
+                          "not inside the open (generation stops at the close), e.g. <python> and </python>")
+    if cfg.tool_timeout <= 0:
+        raise ConfigError(f"tool_timeout={cfg.tool_timeout} must be > 0 seconds (a call past it is killed); 5 is usual")
     warn_misleading(cfg)
     longest = cfg.max_prompt_len + cfg.max_completion_len
     if cfg.micro_batch_tokens < longest:

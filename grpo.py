@@ -60,7 +60,8 @@ from model import (
     shared_prompt_logprobs,
 )
 from preflight import preflight
-from rollout import HFEngine, VLLMEngine, vllm_available
+from rewards import run_python
+from rollout import HFEngine, ToolEngine, VLLMEngine, vllm_available
 from task import check_task_output, load_problems, load_task, score, tokenize_prompts
 
 # ---------------------------------------------------------------- seeds
@@ -99,7 +100,9 @@ class Rollouts:
     components: dict  # reward component name -> (N,) tensor
     lengths: torch.Tensor  # completion tokens per row
     truncated: torch.Tensor  # 1.0 where the completion hit max_completion_len (R6)
+    tools: torch.Tensor  # (N, 3) per row: tool calls, failed calls, tool-output tokens (all 0 without tools)
     score_seconds: float = 0.0
+    tool_seconds: float = 0.0
 
     def __len__(self):
         return len(self.rewards)
@@ -110,7 +113,7 @@ class Rollouts:
         completions = [self.completions[r] for r in rows] if self.completions else []
         return Rollouts([self.problem[r] for r in rows], completions, self.rewards[rows],
                         {k: v[rows] for k, v in self.components.items()}, self.lengths[rows], self.truncated[rows],
-                        self.score_seconds)
+                        self.tools[rows], self.score_seconds, self.tool_seconds)
 
     def __add__(self, other):
         """Both batches' rows, self's first (R7's refills)."""
@@ -118,7 +121,8 @@ class Rollouts:
                         torch.cat([self.rewards, other.rewards]),
                         {k: torch.cat([v, other.components[k]]) for k, v in self.components.items()},
                         torch.cat([self.lengths, other.lengths]), torch.cat([self.truncated, other.truncated]),
-                        self.score_seconds + other.score_seconds)
+                        torch.cat([self.tools, other.tools]), self.score_seconds + other.score_seconds,
+                        self.tool_seconds + other.tool_seconds)
 
     def gathered(self):
         """Every rank's rows in rank order (= one process's order), without the completions themselves."""
@@ -127,7 +131,7 @@ class Rollouts:
 
         return Rollouts(parallel.all_gather_list(self.problem), [], gather(self.rewards),
                         {k: gather(v) for k, v in self.components.items()}, gather(self.lengths),
-                        gather(self.truncated), self.score_seconds)
+                        gather(self.truncated), gather(self.tools).view(-1, 3), self.score_seconds, self.tool_seconds)
 
 
 def generate_and_score(engine, task, problems, prompt_ids, idx, seeds, cfg, temperature):
@@ -142,8 +146,13 @@ def generate_and_score(engine, task, problems, prompt_ids, idx, seeds, cfg, temp
     lengths = [len(c.completion_ids) for c in completions]
     start = time.perf_counter()
     rewards, components = score(task, [c.text for c in completions], [problems[i] for i in problem], lengths, cfg)
+    tools = torch.tensor([[c.tool_calls, c.tool_errors, len(c.mask or []) - sum(c.mask or [])] for c in completions],
+                         dtype=torch.float).view(-1, 3)
+    if cfg.tool_error_penalty:  # a failed tool call costs a little, so the model learns to write code that runs
+        rewards = rewards - cfg.tool_error_penalty * tools[:, 1]
     return Rollouts(problem, completions, rewards, components, torch.tensor(lengths, dtype=torch.float),
-                    torch.tensor([float(c.truncated) for c in completions]), time.perf_counter() - start)
+                    torch.tensor([float(c.truncated) for c in completions]), tools, time.perf_counter() - start,
+                    sum(c.tool_seconds for c in completions))
 
 
 def informative_groups(rewards, G):
@@ -177,7 +186,9 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
             rounds, num_drawn = rounds + 1, num_drawn + need * world
         batch = batch.groups(range(min(share, len(batch) // G)), G)
     times["time/score"] = batch.score_seconds
-    times["time/generate"] = time.perf_counter() - t0 - times["time/score"]
+    if cfg.tools:
+        times["time/tools"] = batch.tool_seconds  # the sandboxed calls, inside the turns of generation
+    times["time/generate"] = time.perf_counter() - t0 - times["time/score"] - times.get("time/tools", 0.0)
     return batch, drawn, rounds
 
 
@@ -189,6 +200,8 @@ def pad_batch(completions, pad_id):
 
     Returns input_ids (N, L), attention (N, L), mask (N, L-1), sampler_logprobs (N, L-1), where
     position t of mask/logprobs refers to the token input_ids[:, t + 1] (L3: prompt and padding are 0).
+    With tool calls the mask is also 0 on the tool's output tokens: they are context, not the model's
+    actions, so they get no gradient, no KL, no entropy and are not counted in the token-mean.
     """
     # default=2: a rank left with no rows (R7 under torchrun) still gets (0, 2) tensors to pad (parallel.py)
     L = max((len(c.prompt_ids) + len(c.completion_ids) for c in completions), default=2)
@@ -200,7 +213,7 @@ def pad_batch(completions, pad_id):
         P, C = len(c.prompt_ids), len(c.completion_ids)
         input_ids[i, : P + C] = torch.tensor(c.prompt_ids + c.completion_ids)
         attention[i, : P + C] = 1
-        mask[i, P - 1 : P - 1 + C] = 1
+        mask[i, P - 1 : P - 1 + C] = torch.tensor(c.mask, dtype=torch.float) if c.mask is not None else 1
         if c.logprobs:
             sampler_lp[i, P - 1 : P - 1 + C] = torch.tensor(c.logprobs)
     return input_ids, attention, mask, sampler_lp
@@ -559,7 +572,7 @@ def mean_of(components, name):
     return components[name].mean().item() if name in components else None
 
 
-def rollout_metrics(drawn, stats, kept, G):
+def rollout_metrics(drawn, stats, kept, G, tools=False):
     """M1 and A4 over every rollout drawn this step (all ranks); with R7, the kept batch's under kept/."""
     out = {
         "reward": drawn.rewards.mean().item(),
@@ -576,6 +589,12 @@ def rollout_metrics(drawn, stats, kept, G):
         "effective_group_ratio": stats["effective_group_ratio"],
         "frac_reward_zero_std": stats["frac_reward_zero_std"],
     }
+    if tools:  # multi-turn rollouts: how much the model uses the tool, and how well
+        calls, errors, output_tokens = drawn.tools.sum(0).tolist()
+        out["tools/calls_per_completion"] = calls / len(drawn)
+        out["tools/error_rate"] = errors / calls if calls else None  # failed calls / calls
+        out["tools/share_using"] = (drawn.tools[:, 0] > 0).float().mean().item()  # completions with a call
+        out["tools/output_tokens"] = int(output_tokens)  # tool-output tokens this step: context, not trained on
     if kept is not None:  # R7: what the update trained on
         out["kept/prompts"] = len(kept) // G
         out["kept/reward"] = kept.rewards.mean().item() if len(kept) else None
@@ -624,7 +643,7 @@ def warn_on_parity(metrics, cfg, step, next_warning):
     return step + 10
 
 
-def dump_samples(cfg, step, batch, advantages, problems):
+def dump_samples(cfg, step, batch, advantages, problems, tokenizer):
     """W6: every sample_every steps, a few of rank 0's whole groups to samples.jsonl (rewards.py --replay re-scores)."""
     if not cfg.sample_every or step % cfg.sample_every or parallel.rank() > 0:
         return
@@ -634,7 +653,19 @@ def dump_samples(cfg, step, batch, advantages, problems):
             f.write(json.dumps({
                 "step": step, "problem": problems[batch.problem[r]], "completion": c.text,
                 "reward": batch.rewards[r].item(), "advantage": advantages[r].item(), "length": len(c.completion_ids),
-                "components": {k: v[r].item() for k, v in batch.components.items()}}) + "\n")
+                "components": {k: v[r].item() for k, v in batch.components.items()},
+                **({"turns": turns(c, tokenizer)} if c.mask is not None else {})}) + "\n")
+
+
+def turns(completion, tokenizer):
+    """A tool rollout's completion as its turns: [["model", text], ["tool", text], ...] from the token mask."""
+    out, ids = [], completion.completion_ids
+    start = 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or completion.mask[t] != completion.mask[start]:
+            out.append(["model" if completion.mask[start] else "tool", tokenizer.decode(ids[start:t])])
+            start = t
+    return out
 
 
 class Logger:
@@ -702,6 +733,8 @@ def evaluate(engine, task, problems, prompt_ids, cfg, seed):
         if name in comps:
             out[f"eval/{name}"] = comps[name].mean().item()
     out["eval/response_length"] = sum(len(g[0].completion_ids) for g in greedy) / len(greedy)
+    if cfg.tools:  # the greedy answers that called the tool
+        out["eval/tools/share_using"] = sum(g[0].tool_calls > 0 for g in greedy) / len(greedy)
     return out, texts
 
 
@@ -911,8 +944,11 @@ def main(argv, wrap_engine=lambda engine: engine):
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
     engine_name = ("vllm" if vllm_available() else "hf") if cfg.engine == "auto" else cfg.engine
     synced = parallel.world() > 1 and cfg.parallel == "fsdp"  # FSDP2: every rank steps until the slowest is done
-    engine = wrap_engine(VLLMEngine(path, cfg, device) if engine_name == "vllm" else
-                         HFEngine(policy, tokenizer, synced_gpus=synced))
+    engine = VLLMEngine(path, cfg, device) if engine_name == "vllm" else HFEngine(policy, tokenizer, synced_gpus=synced)
+    if cfg.tools:  # multi-turn rollouts: the model may run Python mid-completion, in the sandbox
+        run = functools.partial(run_python, timeout=cfg.tool_timeout, max_output=cfg.tool_output_chars)
+        engine = ToolEngine(engine, tokenizer, cfg.max_tool_calls, run, (cfg.tool_open, cfg.tool_close))
+    engine = wrap_engine(engine)
     if cfg.eval_only:
         eval_only(cfg, engine, policy, *test)
         return policy
@@ -943,7 +979,8 @@ def main(argv, wrap_engine=lambda engine: engine):
         # ---- group statistics of every group drawn (A4), which also feed the curriculum (D2)
         stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
         sampler.update(drawn.problem[::G], stats["pass_rate"].tolist())  # a no-op for plain shuffling
-        metrics = {"step": step, **rollout_metrics(drawn, stats, batch.gathered() if cfg.dynamic_sampling else None, G),
+        metrics = {"step": step, **rollout_metrics(drawn, stats, batch.gathered() if cfg.dynamic_sampling else None, G,
+                                                    cfg.tools),
                    "beta": state.beta, "temperature": temperature, "refill_rounds": rounds}
         if parallel.all_sum(len(batch)) == 0:  # R7: no group with a reward spread, even after the refills
             print(f"step {step}: no group with a reward spread after {rounds} refill rounds; skipping the update")
@@ -974,7 +1011,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         metrics.update({"time/checkpoint": checkpoint_seconds, **times, **memory, **evals})
         next_parity_warning = warn_on_parity(metrics, cfg, step, next_parity_warning)
         adapt_beta(state, metrics["kl"], cfg)
-        dump_samples(cfg, step, batch, advantages, train_problems)
+        dump_samples(cfg, step, batch, advantages, train_problems, tokenizer)
 
         # ---- eval after the last update (M2), the log line, checkpoint
         checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, test, logger, save)

@@ -22,9 +22,12 @@ import multiprocessing
 import os
 import re
 import secrets
+import select
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 from fractions import Fraction
 
 import torch
@@ -297,38 +300,94 @@ for i, test in enumerate(job["tests"]):
 """
 
 
+SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}  # no secrets from our environment
+_SANDBOX = None  # the prefix, probed once (sandbox())
+
+
+def _python_dirs():
+    """The folders the sandbox's Python needs, read-only: its installation (and a venv's own folder)."""
+    return sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)})
+
+
+def _file_view():
+    """Shell lines that build the sandbox's whole filesystem and make it the root (pivot_root).
+
+    The new root is a tmpfs holding only: /usr (and /bin, /lib... as the host has them), the Python
+    installation with its site-packages hidden (the harness needs the standard library only), /dev/null,
+    /dev/zero, /dev/urandom, a fresh /proc of the sandbox's own PID namespace, and a private /tmp. No
+    /etc, /home, /root, project folder or dataset: code can read nothing it was not given.
+    """
+    q = shlex.quote
+    lines = ["set -e", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "mount -t tmpfs -o size=64m tmpfs /tmp",
+             "mkdir /tmp/root", "mount -t tmpfs -o size=64m tmpfs /tmp/root", "cd /tmp/root", "mkdir dev proc tmp old"]
+    for d in ("/usr", *_python_dirs()):
+        if os.path.isdir(d):
+            lines.append(f"mkdir -p {q('.' + d)} && mount --rbind -o ro {q(d)} {q('.' + d)}")
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(d):  # a merged-/usr system: /lib -> usr/lib
+            lines.append(f"ln -s {q(os.readlink(d))} .{d}")
+        elif os.path.isdir(d):
+            lines.append(f"mkdir .{d} && mount --rbind -o ro {d} .{d}")
+    for site in {os.path.realpath(p) for p in sys.path if p.endswith("-packages") and os.path.isdir(p)}:
+        lines.append(f"mount -t tmpfs -o ro,size=1m tmpfs {q('.' + site)}")  # installed packages: hidden
+    for dev in ("null", "zero", "urandom"):
+        lines.append(f"touch dev/{dev} && mount --bind /dev/{dev} dev/{dev}")
+    # the old root is detached once /proc (which umount reads) is the sandbox's own
+    lines += ["mount -t tmpfs -o size=64m tmpfs tmp", "pivot_root . old", "mount -t proc proc /proc",
+              "umount -l /old", "rmdir /old"]
+    return "; ".join(lines)
+
+
 def _sandbox_prefix():
-    """Network, PID and mount namespaces, a private /tmp, and (as root) uid nobody; [] where unavailable."""
+    """The command prefix that runs code in the sandbox, and what it leaves reachable ("" when nothing).
+
+    Best: network, PID and mount namespaces, uid nobody (when we are root), and a filesystem holding only
+    Python's standard library (_file_view). Where that mount fails: the namespaces with a private /tmp
+    but the host's files readable. Where unshare is refused: a plain child process. Both fallbacks say so.
+    """
     if not shutil.which("unshare"):
-        return []
+        return [], "unshare is missing: the code runs as a plain child process, with network and every file"
     user = [] if os.geteuid() == 0 else ["--map-root-user"]
     drop = "exec setpriv --reuid=65534 --regid=65534 --clear-groups" if os.geteuid() == 0 else "exec"
+    private_tmp = "for d in /tmp /var/tmp /dev/shm; do mount -t tmpfs -o size=64m tmpfs $d; done"
     # --kill-child + --pid: when the sandbox's first process dies, the kernel kills all it forked
-    inner = f'for d in /tmp /var/tmp /dev/shm; do mount -t tmpfs -o size=64m tmpfs $d; done; cd /tmp && {drop} "$@"'
-    prefix = ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--mount-proc",
-              "sh", "-c", inner, "sandbox"]
-    works = subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0
-    if not works:
-        print("warning: unshare is not permitted here; code rewards run without network/PID isolation")
-    return prefix if works else []
+    unshare = ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    tiers = [(_file_view(), ""),
+             (private_tmp, "the sandbox's filesystem view failed: code runs without network, but can read "
+                           "every world-readable file (the project, its data)"),
+             (None, "unshare is not permitted here: code runs as a plain child process, with network and "
+                    "every file")]
+    for setup, weaker in tiers:
+        if setup is None:
+            return [], weaker
+        prefix = [*unshare, "sh", "-c", f'{setup}; cd /tmp && {drop} "$@"', "sandbox"]
+        probe = subprocess.run([*prefix, sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30,
+                               env=SANDBOX_ENV, cwd="/tmp")
+        if probe.returncode == 0:
+            return prefix, weaker
 
 
-_SANDBOX = None
+def sandbox():
+    """The sandbox prefix, probed once per process; a weaker fallback is said once, loudly."""
+    global _SANDBOX
+    if _SANDBOX is None:
+        _SANDBOX, weaker = _sandbox_prefix()
+        if weaker:
+            print(f"warning: {weaker}. Run where unprivileged user namespaces are allowed (or as root) for "
+                  f"the full sandbox.", file=sys.stderr)
+    return _SANDBOX
+
 
 
 def run_tests(code, tests, timeout=5.0, memory_mb=512):
     """Run `code` then each test in the sandbox; returns per test (ran without error, returned value)."""
-    global _SANDBOX
-    if _SANDBOX is None:
-        _SANDBOX = _sandbox_prefix()
     nonce = secrets.token_hex(16)
     limits = {"RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": 1 << 20, "RLIMIT_NPROC": 64, "RLIMIT_CORE": 0,
               "RLIMIT_CPU": math.ceil(timeout) + 1}
     job = json.dumps({"code": code, "tests": tests, "nonce": nonce, "limits": limits})
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}  # no secrets from our environment
-    cmd = [*_SANDBOX, sys.executable, "-I", "-c", HARNESS]
+    cmd = [*sandbox(), sys.executable, "-I", "-c", HARNESS]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            env=env, cwd="/tmp", start_new_session=True)
+                            env=SANDBOX_ENV, cwd="/tmp", start_new_session=True)
     try:
         stdout, _ = proc.communicate(job.encode(), timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -365,6 +424,63 @@ def code_reward(text, tests, timeout=5.0):
               for t, (ok, value) in zip(tests, results)]
     out["correct"] = sum(passed) / len(tests)
     return out
+
+
+# ---------------------------------------------------------------- the Python tool (multi-turn rollouts)
+
+# Runs inside the sandbox: the code arrives on stdin; what it prints is the tool's output. An exception
+# prints one line (its type and message), not a traceback of the harness.
+TOOL_HARNESS = r"""
+import json, resource, sys
+job = json.loads(sys.stdin.read())
+for name, limit in job["limits"].items():
+    resource.setrlimit(getattr(resource, name), (limit, limit))
+try:
+    exec(compile(job["code"], "<python>", "exec"), {"__name__": "__main__"})
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
+    sys.exit(1)
+"""
+
+
+def run_python(code, timeout=5.0, memory_mb=256, max_output=1000):
+    """Run a tool call's code in the sandbox: (output, ok).
+
+    output: what it printed (stdout and stderr), at most max_output characters, cut with a marker. ok is
+    False when the code raised, was killed (timeout, memory, output past the limit) or exited non-zero. Output
+    is read as it comes and the sandbox killed past the limit, so a flood never fills our memory.
+    """
+    limits = {"RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": 1 << 20, "RLIMIT_NPROC": 64, "RLIMIT_CORE": 0,
+              "RLIMIT_CPU": math.ceil(timeout) + 1}
+    proc = subprocess.Popen([*sandbox(), sys.executable, "-I", "-c", TOOL_HARNESS], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=SANDBOX_ENV, cwd="/tmp",
+                            start_new_session=True)
+    out, deadline, reason = b"", time.monotonic() + timeout, None
+    try:
+        proc.stdin.write(json.dumps({"code": code, "limits": limits}).encode())
+        proc.stdin.close()
+        while reason is None:
+            ready = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]
+            chunk = os.read(proc.stdout.fileno(), 1 << 16) if ready else b""
+            out += chunk
+            if not ready:
+                reason = f"timed out after {timeout:g} s"
+            elif len(out) > 4 * max_output:  # bytes; a UTF-8 character is at most 4
+                reason = "output limit"
+            elif not chunk:
+                reason = "done"  # end of output: the code finished
+    except BrokenPipeError:  # the sandbox died before reading the code
+        reason = "done"
+    finally:
+        if proc.poll() is None and reason != "done":
+            os.killpg(proc.pid, 9)  # the whole group; --kill-child then takes down the sandbox
+        proc.wait()
+    text = out.decode(errors="replace")
+    if len(text) > max_output:
+        text = text[:max_output] + "\n[output truncated]"
+    if reason.startswith("timed out"):
+        text += f"\n[{reason}]"
+    return text, reason == "done" and proc.returncode == 0
 
 
 # ---------------------------------------------------------------- the smoke-test task

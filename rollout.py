@@ -18,6 +18,7 @@ the same tokens (stop_tokens).
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,13 @@ class Completion:
     text: str  # decoded completion, special tokens dropped
     logprobs: list  # sampler's log p of each sampled token under logits / temperature
     truncated: bool  # hit max_tokens before EOS (R6)
+    stop_string: str = None  # the stop string it ended on (generate's stop), else None
+    # tool rollouts (ToolEngine): 1 for each token the model sampled, 0 for each token of a tool's output;
+    # None: every token is the model's. logprobs are 0.0 at the tool's tokens, which the mask leaves out.
+    mask: list = None
+    tool_calls: int = 0  # tool calls run
+    tool_errors: int = 0  # of those, the ones that raised, timed out or were killed
+    tool_seconds: float = 0.0  # wall time of its tool calls
 
 
 def stop_tokens(tokenizer, generation_config):
@@ -103,32 +111,35 @@ class VLLMEngine:
         self.dtype = getattr(torch, cfg.dtype)  # the engine's weights; the trainer keeps fp32 masters
         self.asleep = False
 
-    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, progress=False):
+    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None, progress=False):
+        """n completions per prompt; max_tokens: one budget for all, or one per prompt; stop: strings that
+        end a completion (kept in it), on top of the stop tokens."""
         from vllm import SamplingParams
 
+        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         mine = slice(0, len(prompts))
         if self.group is not None:  # tensor parallel: every rank of the group hands the engine the same prompts
             counts = parallel.all_gather_list([len(prompts)], group=self.group)
             start = sum(counts[: parallel.rank() % len(counts)])  # groups are consecutive ranks
             mine = slice(start, start + len(prompts))  # this rank keeps the completions of its own prompts
-            prompts, seeds = (parallel.all_gather_list(x, group=self.group) for x in (prompts, seeds))
+            prompts, seeds, budgets = (parallel.all_gather_list(x, group=self.group) for x in (prompts, seeds, budgets))
         # An explicit SamplingParams takes nothing from the model's generation_config but its EOS list (vLLM's
         # default params would take its repetition penalty too); stop_token_ids makes the stop set the HF engine's
-        params = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                      logprobs=0 if temperature > 0 else None, stop_token_ids=self.stop)
+        params = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0 if temperature > 0 else None,
+                      stop_token_ids=self.stop, stop=stop or None, include_stop_str_in_output=True)
         if self.per_request_seed:  # the n completions of a request get seed, seed + 1, ... (vLLM's parallel sampling)
-            params = [SamplingParams(**params, seed=seed) for seed in seeds]
+            params = [SamplingParams(**params, max_tokens=m, seed=seed) for seed, m in zip(seeds, budgets)]
         else:  # the in-process CPU engine samples from torch's global generator; numpy's too, to be safe
             torch.manual_seed(seeds[0])
             np.random.seed(seeds[0] % 2**32)
-            params = SamplingParams(**params)
+            params = [SamplingParams(**params, max_tokens=m) for m in budgets]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
         # decode ourselves: vLLM's incremental detokenizer can drop a trailing partial UTF-8 byte, and both
         # engines must score the same text for the same tokens
         return [[Completion(list(out.prompt_token_ids), list(c.token_ids),
                             self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
                             [next(iter(d.values())).logprob for d in c.logprobs] if c.logprobs else [],
-                            c.finish_reason == "length")
+                            c.finish_reason == "length", c.stop_reason if isinstance(c.stop_reason, str) else None)
                  for c in out.outputs] for out in outputs[mine]]
 
     def wake(self, named_tensors):
@@ -170,30 +181,33 @@ class HFEngine:
         self.stop = stop_tokens(tokenizer, hf_model.generation_config)
 
     @torch.no_grad()
-    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, progress=False):
+    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None, progress=False):
+        """n completions per prompt; max_tokens: one budget for all, or one per prompt; stop: strings that
+        end a completion (kept in it), on top of the stop tokens."""
+        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         # every prompt's n rows in one batch; row j of a prompt is seeded seed + j, as vLLM seeds its n samples
-        rows = [(list(p), seed + j) for p, seed in zip(prompts, seeds) for j in range(n)]
+        rows = [(list(p), seed + j, m) for p, seed, m in zip(prompts, seeds, budgets) for j in range(n)]
         was_training = self.policy.training
         self.policy.eval()
         try:
-            tokens, logprobs = self._decode(rows, temperature, top_p, top_k, max_tokens, progress)
+            tokens, logprobs, ends = self._decode(rows, temperature, top_p, top_k, stop or [], progress)
         finally:
             self.policy.train(was_training)
         groups = []
         for i, prompt in enumerate(prompts):
             group = []
             for r in range(i * n, (i + 1) * n):
-                row = tokens[r]
-                stop = next((t + 1 for t, tok in enumerate(row) if tok in self.stop), len(row))
-                sampled = row[:stop]  # the stop token included; the padding after it dropped
+                end, why = ends[r]  # the stop token or string included; the padding after it dropped
+                sampled = tokens[r][:end]
                 group.append(Completion(list(prompt), sampled, self.tokenizer.decode(sampled, skip_special_tokens=True),
-                                        logprobs[r][:stop] if temperature > 0 else [],
-                                        stop == max_tokens and sampled[-1] not in self.stop))
+                                        logprobs[r][:end] if temperature > 0 else [], why == "length",
+                                        why if why not in ("length", "eos") else None))
             groups.append(group)
         return groups
 
-    def _decode(self, rows, temperature, top_p, top_k, max_tokens, progress):
-        """(tokens, logprobs) per row, each a list of max_tokens or fewer (all rows stopped), from a KV cache.
+    def _decode(self, rows, temperature, top_p, top_k, stop, progress):
+        """(tokens, logprobs, ends) per row: tokens and logprobs as far as the longest row went, and where the
+        row ends with why: (length, "eos" | "length" | the stop string). From a KV cache.
 
         Prompts are left-padded so every row's next token goes in the same column; each row's positions
         count from its own first token (0, 1, ...), exactly the trainer's on its right-padded rows.
@@ -201,33 +215,48 @@ class HFEngine:
         device = next(self.policy.parameters()).device
         pad = self.tokenizer.pad_token_id
         if not rows and not self.synced_gpus:
-            return [], []
-        rows = rows or [([pad], 0)]  # FSDP2 under synced_gpus: a rank with no prompts still joins every forward
-        R, P = len(rows), max(len(p) for p, _ in rows)
+            return [], [], []
+        rows = rows or [([pad], 0, 1)]  # FSDP2 under synced_gpus: a rank with no prompts still joins every forward
+        ends = [None] * len(rows)
+        R, P = len(rows), max(len(p) for p, _, _ in rows)
         ids = torch.full((R, P), pad, dtype=torch.long, device=device)
         mask = torch.zeros(R, P, dtype=torch.long, device=device)
-        for r, (prompt, _) in enumerate(rows):
+        for r, (prompt, _, _) in enumerate(rows):
             ids[r, P - len(prompt) :] = torch.tensor(prompt, device=device)
             mask[r, P - len(prompt) :] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        generators = [torch.Generator(device).manual_seed(seed) for _, seed in rows]
-        stop = torch.tensor(self.stop, device=device)
-        cache, done, tokens, logprobs = DynamicCache(), torch.zeros(R, dtype=torch.bool, device=device), [], []
-        for _ in tqdm(range(max_tokens), desc="generate", disable=not progress, leave=False):
+        generators = [torch.Generator(device).manual_seed(seed) for _, seed, _ in rows]
+        budgets = [m for _, _, m in rows]
+        cache, done, logprobs = DynamicCache(), torch.zeros(R, dtype=torch.bool, device=device), []
+        tokens = [[] for _ in rows]  # each row's sampled tokens, up to its end
+        for k in tqdm(range(max(budgets)), desc="generate", disable=not progress, leave=False):
             logits = self.policy(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                  use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (R, V)
             token, logp = sample_next(logits, temperature, top_p, top_k, generators)
             token = torch.where(done, pad, token)  # a stopped row is fed padding, and keeps it
-            tokens.append(token)
             logprobs.append(logp)
-            done |= torch.isin(token, stop)
+            step = token.tolist()
+            for r in (~done).nonzero().flatten().tolist():  # the rows that took a token now: do they end here?
+                tokens[r].append(step[r])
+                why = self._ended(tokens[r], budgets[r], stop)
+                if why:
+                    ends[r], done[r] = (k + 1, why), True
             if self._all_done(done):
                 break
             ids, positions = token[:, None], positions[:, -1:] + 1
             mask = torch.cat([mask, mask.new_ones(R, 1)], 1)
-        tokens = torch.stack(tokens, 1).tolist()
         logprobs = torch.stack(logprobs, 1).tolist() if temperature > 0 else [[] for _ in rows]
-        return tokens, logprobs
+        return tokens, logprobs, ends
+
+    def _ended(self, row, budget, stop):
+        """Why a row ends at its last token ("eos", a stop string, "length"), or None: it goes on. A stop string
+        ends the row at the first token whose text completes it, as vLLM's check does."""
+        if row[-1] in self.stop:
+            return "eos"
+        for s in stop:  # the row's last tokens hold any stop string completed now (a token is at least a byte)
+            if s in self.tokenizer.decode(row[-len(s) - 4 :], skip_special_tokens=True):
+                return s
+        return "length" if len(row) >= budget else None
 
     def _all_done(self, done):
         """Every row stopped; under synced_gpus, on every rank (each forward is a collective there)."""
@@ -263,3 +292,80 @@ def sample_next(logits, temperature, top_p, top_k, generators):
     logp = torch.log_softmax(z, dim=-1)
     token = torch.cat([torch.multinomial(logp[r].exp(), 1, generator=g) for r, g in enumerate(generators)])
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+# ---------------------------------------------------------------- tool calls: multi-turn rollouts
+
+TOOL_OUTPUT = "\n<output>\n{}\n</output>\n"  # what goes back into the model's context after a call
+
+
+class ToolEngine:
+    """Multi-turn rollouts on any engine: a completion may call a tool, and only the model's tokens are its own.
+
+    Each turn generates every unfinished completion in one batched call, stopping at the close tag
+    ("</python>"); for each one that closed a call, the code between the open tag ("<python>") and the close
+    runs (`run`: the sandbox), its output (TOOL_OUTPUT) is appended as tokens with mask 0, and the next turn
+    goes on from there, up to max_calls calls and max_tokens tokens in all (the tool's included). Token ids are
+    never re-tokenised from text: the trainer gets exactly the sampled ids and the output's ids, concatenated.
+    """
+
+    def __init__(self, engine, tokenizer, max_calls, run, tags=("<python>", "</python>")):
+        self.engine, self.tokenizer, self.max_calls = engine, tokenizer, max_calls
+        self.run = run  # code -> (output text, ok): rewards.run_python, or a test's scripted tool
+        self.open, self.close = tags
+
+    def wake(self, named_tensors):
+        self.engine.wake(named_tensors)
+
+    def sleep(self):
+        self.engine.sleep()
+
+    def generate(self, prompts, n, *, seeds, max_tokens, progress=False, **sampling):
+        rows = [Completion(list(p), [], "", [], False, mask=[]) for p in prompts for _ in range(n)]
+        row_seeds = [seed + j for seed in seeds for j in range(n)]  # as the engines seed a prompt's n samples
+        live = list(range(len(rows)))
+        for turn in range(self.max_calls + 1):
+            if parallel.all_max(len(live)) == 0:  # every rank decides alike: FSDP's HF engine generates in lockstep
+                break
+            # the context so far is the next turn's prompt; vLLM's prefix cache still holds its keys and values
+            # from the turn before, so only the tool's output is prefilled anew
+            outs = self.engine.generate(
+                [rows[r].prompt_ids + rows[r].completion_ids for r in live], 1,
+                seeds=[row_seeds[r] + turn * 7919 for r in live],
+                max_tokens=[max_tokens - len(rows[r].completion_ids) for r in live],
+                stop=[self.close] if turn < self.max_calls else None,  # the last turn may not call
+                progress=progress, **sampling)
+            calls = []
+            for r, [out] in zip(live, outs):
+                self._append(rows[r], out.completion_ids, out.logprobs, model=True)
+                rows[r].truncated = out.truncated
+                if out.stop_string == self.close:
+                    calls.append((r, self.tokenizer.decode(out.completion_ids, skip_special_tokens=True)))
+            for r, text in calls:
+                self._call(rows[r], text, max_tokens, sampled=sampling["temperature"] > 0)
+            live = [r for r, _ in calls if not rows[r].truncated]
+        for row in rows:
+            row.text = self.tokenizer.decode(row.completion_ids, skip_special_tokens=True)
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _call(self, row, text, max_tokens, sampled):
+        """Run the call that ends `text` (the model's last turn) and append its output, cut to the token budget."""
+        start = time.perf_counter()
+        opened = text.rfind(self.open)
+        if opened < 0:  # a close without an open: nothing to run, and the model is told so
+            output, ok = f"error: no {self.open} before {self.close}", False
+        else:
+            output, ok = self.run(text[opened + len(self.open) : text.rfind(self.close)])
+        ids = self.tokenizer.encode(TOOL_OUTPUT.format(output.strip()), add_special_tokens=False)
+        room = max_tokens - len(row.completion_ids)
+        self._append(row, ids[:room], [0.0] * min(room, len(ids)) if sampled else [], model=False)
+        row.truncated = len(ids) >= room  # no room left for the model to go on
+        row.tool_calls += 1
+        row.tool_errors += not ok
+        row.tool_seconds += time.perf_counter() - start
+
+    @staticmethod
+    def _append(row, ids, logprobs, model):
+        row.completion_ids += ids
+        row.logprobs += logprobs
+        row.mask += [int(model)] * len(ids)

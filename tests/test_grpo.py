@@ -81,6 +81,29 @@ def test_smoke_run_learns_and_logs_consistently(tmp_path, engine):
     assert os.path.isfile(out / "ckpt_000020" / "config.json") and os.path.isfile(out / "config.json")
 
 
+def test_a_run_with_tool_calls_trains_only_on_the_models_tokens_and_logs_the_tools(tmp_path):
+    """The tiny model never writes <python>; with ' ' and 'e' as the tags nearly every completion calls the
+    sandbox (with garbage: mostly errors), its output is appended, masked out of the loss, and logged."""
+    out = tmp_path / "tools"
+    run(out, "--tools=true", "--tool_open= ", "--tool_close=e", "--max_steps=3", "--sample_every=1",
+        "--tool_error_penalty=0.1", "--eval_every=0")
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["tools/calls_per_completion"] > 0.5 and m["tools/share_using"] > 0.5 and m["tools/output_tokens"] > 0
+        assert m["tools/error_rate"] > 0.5 and m["time/tools"] > 0 and math.isfinite(m["loss"])
+        assert m["sampler_logprob_diff_max"] < 1e-3  # over the model's tokens: the tool's have no sampler logprob
+    assert "eval/tools/share_using" in metrics[-1]
+    samples = read_jsonl(out / "samples.jsonl")
+    called = [s for s in samples if len(s["turns"]) > 1]
+    for s in called:  # the tool's turn is its output block (cut where the token budget ran out)
+        role, text = s["turns"][1]
+        assert role == "tool" and (text.startswith("\n<output>\n") or "\n<output>\n".startswith(text)), text
+    assert all("".join(text for _, text in s["turns"]).endswith(s["completion"][-3:]) for s in called)
+    # the penalty: each failed call costs 0.1 of a reward that is the share of digits (at most 1)
+    assert any(s["reward"] < 0 for s in called)
+
+
 @requires_vllm
 def test_resume_gives_the_same_run(tmp_path):
     """4 steps straight vs killed after the step-2 checkpoint + resumed: same prompts, same metrics."""
