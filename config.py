@@ -118,7 +118,7 @@ class Config:
     tool_timeout: float = 5.0  # seconds a call may run in the sandbox; past it, killed and an error
     tool_output_chars: int = 500  # a call's output is cut to this many characters (with a marker)
     tool_open: str = "<python>"  # a call is the code between tool_open and tool_close (generation stops at the close)
-    tool_close: str = "</python>"
+    tool_close: str = "</python>"  # the close tag (for a ```python block: "```python\n" and "\n```\n")
     tool_error_penalty: float = 0.0  # subtracted from the reward per failed call (raised, timed out, killed); 0 = off
 
     # ---- advantages (A1-A3) ----

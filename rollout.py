@@ -123,6 +123,8 @@ class VLLMEngine:
             start = sum(counts[: parallel.rank() % len(counts)])  # groups are consecutive ranks
             mine = slice(start, start + len(prompts))  # this rank keeps the completions of its own prompts
             prompts, seeds, budgets = (parallel.all_gather_list(x, group=self.group) for x in (prompts, seeds, budgets))
+        if not prompts:  # a rank with nothing left to generate (tool turns under torchrun)
+            return []
         # An explicit SamplingParams takes nothing from the model's generation_config but its EOS list (vLLM's
         # default params would take its repetition penalty too); stop_token_ids makes the stop set the HF engine's
         params = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0 if temperature > 0 else None,
@@ -321,6 +323,7 @@ class ToolEngine:
         self.engine.sleep()
 
     def generate(self, prompts, n, *, seeds, max_tokens, progress=False, **sampling):
+        """The engines' generate, in turns: n completions per prompt, each a row of its own from the first turn."""
         rows = [Completion(list(p), [], "", [], False, mask=[]) for p in prompts for _ in range(n)]
         row_seeds = [seed + j for seed in seeds for j in range(n)]  # as the engines seed a prompt's n samples
         live = list(range(len(rows)))
@@ -331,7 +334,7 @@ class ToolEngine:
             # from the turn before, so only the tool's output is prefilled anew
             outs = self.engine.generate(
                 [rows[r].prompt_ids + rows[r].completion_ids for r in live], 1,
-                seeds=[row_seeds[r] + turn * 7919 for r in live],
+                seeds=[row_seeds[r] + turn * 7919 for r in live],  # each turn its own draw, the same on a resume
                 max_tokens=[max_tokens - len(rows[r].completion_ids) for r in live],
                 stop=[self.close] if turn < self.max_calls else None,  # the last turn may not call
                 progress=progress, **sampling)

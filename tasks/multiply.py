@@ -1,7 +1,7 @@
 """Multiplication a small model cannot do in its head, with a Python tool it can call.   --task=multiply
 
-The tool task (config/multiply_tools.py, tools=True): the prompt shows how to call the tool, the model
-writes <python>print(...)</python>, the sandbox's output comes back between <output> tags (rollout.ToolEngine),
+The tool task (config/multiply_tools.py, tools=True): the prompt says how to call the tool, the model
+writes a ```python block, the sandbox's output comes back between <output> tags (rollout.ToolEngine),
 and the reward judges the number the model itself writes after the last output: copying the tool's
 answer is fine, leaving it in the tool's output is not.
 """
@@ -10,12 +10,11 @@ import random
 
 from data.split import in_split
 
-# No product of the question's numbers in the example: a small model copies concrete numbers
+# The tool's format is the one a small model already writes: a ```python block (config/multiply_tools.py
+# sets the tags). No concrete product in the prompt: a small model copies concrete numbers.
 PROMPT = (
-    "What is {a} * {b}? You can run Python: write code between <python> and </python>, and what it prints "
-    "comes back between <output> and </output>. For example:\n"
-    "<python>print(12 * 34)</python>\n<output>\n408\n</output>\nThe answer is 408.\n"
-    "Now answer: what is {a} * {b}? End with \"The answer is\" and the number."
+    "What is {a} * {b}? You can run Python: write a ```python code block that prints the result, and what "
+    "it prints comes back to you between <output> and </output>. Then end with \"The answer is\" and the number."
 )
 
 
@@ -36,8 +35,4 @@ def reward(completion, problem):
     """correct: the last number the model writes after the tool's last output (or anywhere, without one)."""
     own = completion[completion.rfind("</output>") + len("</output>") :] if "</output>" in completion else completion
     digits = "".join(ch if ch.isdigit() else " " for ch in own.replace(",", "")).split()
-    called = "<python>" in completion
-    return {"correct": float(bool(digits) and int(digits[-1]) == problem["answer"]), "called": float(called)}
-
-
-WEIGHTS = {"called": 0.0}  # logged (reward/called), not rewarded: the tool must pay off through correctness
+    return {"correct": float(bool(digits) and int(digits[-1]) == problem["answer"])}

@@ -66,6 +66,7 @@ def test_builtin_tasks_are_task_files(tokenizer):
         "math": lambda p: f"<think>k</think><answer>\\boxed{{{p['answer']}}}</answer>",
         "digits": lambda p: "1234",
         "code": lambda p: f"<think>k</think><answer>```python\n{p['solution']}\n```</answer>",
+        "multiply": lambda p: f"```python\nprint(1)\n```\n\n<output>\n{p['answer']}\n</output>\nIt is {p['answer']}.",
     }
     assert set(known) | {"dataset", "gsm8k", "larger"} == set(task_module.builtin_tasks())
     for name, answer in known.items():

@@ -209,3 +209,42 @@ def test_the_sandbox_sees_no_file_of_the_machine():
             "correct"] == 1.0
     finally:
         os.remove(planted)
+
+
+# ---------------------------------------------------------------- the tool task and its settings
+
+
+def test_the_multiply_task_judges_the_models_own_last_number():
+    cfg = load_config(overrides=["--task=multiply"])
+    from task import load_problems, load_task
+
+    task = load_task(cfg)
+    train, test = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
+    assert not {p["id"] for p in train} & {p["id"] for p in test}
+    p = {"a": 665, "b": 71, "answer": 47215}
+    call = "```python\nprint(665 * 71)\n```\n\n<output>\n47215\n</output>\n"
+    assert task.reward(call + "The answer is 47,215.", p)["correct"] == 1.0
+    assert task.reward(call, p)["correct"] == 0.0  # the answer only in the tool's output: not the model's
+    assert task.reward(call + "The answer is 47216.", p)["correct"] == 0.0
+    assert task.reward("The answer is 47215.", p)["correct"] == 1.0  # in its head is fine too, if right
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--tool_open="], "both non-empty"),
+    (["--tool_open=```python", "--tool_close=```"], "not inside the open"),
+    (["--max_tool_calls=0"], "max_tool_calls=0 must be >= 1"),
+    (["--tool_timeout=0"], "tool_timeout=0.0 must be > 0"),
+])
+def test_impossible_tool_settings_fail_with_what_to_change(overrides, message):
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=["--tools=true", *overrides])
+
+
+def test_the_tool_run_file_passes_preflight():
+    from preflight import preflight
+
+    cfg = load_config(os.path.join(ROOT, "config", "multiply_tools.py"))
+    assert cfg.tools and cfg.tool_close == "\n```\n" and cfg.tool_close not in cfg.tool_open
+    preflight(cfg)

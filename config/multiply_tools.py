@@ -1,0 +1,20 @@
+# Tool calls inside a rollout: SmolLM2-135M-Instruct multiplies 3-digit by 2-digit numbers with a Python tool.
+#   python grpo.py --config config/multiply_tools.py
+# CPU, about 25 minutes. The model writes a ```python block, generation stops at its closing fence, the
+# sandbox runs it, the output comes back as tokens the model does not train on (rollout.ToolEngine).
+task = "multiply"  # tasks/multiply.py: the reward judges the number the model writes after the tool's output
+out_dir = "out/multiply_tools"
+max_steps = 20
+
+tools = True
+tool_open = "```python\n"  # the format this small model already writes; <python> tags it never does
+tool_close = "\n```\n"
+max_tool_calls = 2
+tool_output_chars = 200
+max_completion_len = 96  # the model's tokens and the tool's together
+
+batch_size = 32  # 4 prompts x 8: half the default run's batch, so a CPU step stays near a minute
+beta = 0.0  # no reference pass (as DAPO and Dr. GRPO): a third of the step on this CPU
+unparsed_penalty = 0.0  # the reward is correctness alone
+test_size = 30
+eval_k = 2
