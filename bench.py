@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-PHASES = ["generate", "score", "push", "sleep", "ref", "old", "update", "checkpoint", "eval"]
+PHASES = ["generate", "tools", "score", "push", "sleep", "ref", "old", "update", "checkpoint", "eval"]
 
 
 def run_engine(engine, config, overrides, steps, warmup):
