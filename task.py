@@ -308,7 +308,8 @@ def replay(path, config_path=None):
         if "reward" in rec:
             rewards, _ = score_batch([fresh], [rec.get("length", 0)], {**task.weights, **cfg.component_weights},
                                      **cfg.shaping)
-            checks["reward"] = (rec["reward"], rewards[0].item())
+            penalty = cfg.tool_error_penalty * rec.get("tool_errors", 0)  # a tool run's failed calls
+            checks["reward"] = (rec["reward"], rewards[0].item() - penalty)
         if "label" in rec:
             checks["label"] = (rec["label"], fresh.get("correct"))
         for key, (stored, now) in checks.items():

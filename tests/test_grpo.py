@@ -102,6 +102,7 @@ def test_a_run_with_tool_calls_trains_only_on_the_models_tokens_and_logs_the_too
     assert all("".join(text for _, text in s["turns"]).endswith(s["completion"][-3:]) for s in called)
     # the penalty: each failed call costs 0.1 of a reward that is the share of digits (at most 1)
     assert any(s["reward"] < 0 for s in called)
+    assert replay(str(out / "samples.jsonl")) == 0  # the dumped rewards, penalty included, re-score alike
 
 
 @requires_vllm
