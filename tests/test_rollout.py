@@ -125,10 +125,61 @@ def test_vllm_lora_merged_push_matches_the_merged_trainer(tiny, vllm_engine):
     assert trainer_gap(lora, cfg, sample(vllm_engine, prompts)) < 1e-3  # the sampler has base + B A merged
 
 
+# ---------------------------------------------------------------- tool calls (rollout.ToolEngine)
+
+
+def scripted_tool(code):
+    return "7 7 7", True
+
+
+def tool_turns(groups):
+    return [[(c.completion_ids, c.mask, c.tool_calls, c.truncated) for c in g] for g in groups]
+
+
+@requires_vllm
+def test_both_engines_take_the_same_tool_turns_and_keep_parity_over_the_models_tokens(tiny, vllm_engine):
+    """Greedy, with the text of prompt 0's first greedy token(s) as the close tag, row 0 calls the (scripted)
+    tool: both engines give the same ids, masks and turns. Sampled, with 'e' as the close (most rows write
+    one soon), the sampler's logprobs of the model's tokens equal the trainer's; the tool's tokens are
+    masked out of the comparison."""
+    from rollout import ToolEngine
+
+    cfg, _, tokenizer, policy, prompts = tiny
+    vllm_engine.wake(push_weights_iter(policy))
+    hf_engine = HFEngine(policy, tokenizer)
+    first = sample(hf_engine, prompts, temperature=0.0, n=1)[0][0].completion_ids
+    close = next(text for k in range(1, len(first)) if (text := tokenizer.decode(first[:k])).strip()
+                 and "\ufffd" not in text and text not in tokenizer.decode(first[: k - 1]))
+    greedy = {}
+    for name, engine in (("hf", hf_engine), ("vllm", vllm_engine)):
+        tools = ToolEngine(engine, tokenizer, 2, scripted_tool, tags=("", close))  # open "": the turn is the code
+        greedy[name] = tool_turns(sample(tools, prompts, temperature=0.0, n=1))
+    assert greedy["hf"] == greedy["vllm"]
+    assert greedy["hf"][0][0][2] >= 1  # row 0 called
+    for engine in (hf_engine, vllm_engine):
+        groups = sample(ToolEngine(engine, tokenizer, 2, scripted_tool, tags=("", "e")), prompts, n=4)
+        assert sum(c.tool_calls for g in groups for c in g) >= 2
+        assert trainer_gap(policy, cfg, groups) < 1e-3
+
+
+def test_hf_tool_rollouts_without_a_call_are_the_plain_engines(tiny):
+    """With tools on and no call made, a completion is exactly the one-turn engine's: same seeds, same ids."""
+    from rollout import ToolEngine
+
+    _, _, tokenizer, policy, prompts = tiny
+    engine = HFEngine(policy, tokenizer)
+    plain = sample(engine, prompts, temperature=1.0, n=3)
+    tools = sample(ToolEngine(engine, tokenizer, 2, scripted_tool), prompts, temperature=1.0, n=3)
+    for p, t in zip((c for g in plain for c in g), (c for g in tools for c in g)):
+        assert (t.completion_ids, t.logprobs, t.truncated, t.tool_calls) == (p.completion_ids, p.logprobs,
+                                                                            p.truncated, 0)
+        assert t.mask == [1] * len(p.completion_ids)
+
+
 @requires_vllm
 def test_vllm_parity_with_untied_embeddings(tiny, tmp_path):
-    # Last in this file: vLLM keeps its parallel groups in process-global state, and tearing down this
-    # second engine tears them down under the module's shared engine too (a real run has one engine).
+    # Last of the tests on an in-process engine: vLLM keeps its parallel groups in process-global state, and
+    # tearing down this second engine tears them down under the module's shared engine too (a real run has one).
     cfg = tiny[0]
     path = build_tiny(str(tmp_path / "untied"), tie=False)
     _, policy = load_policy(cfg, path, "cpu")
@@ -276,51 +327,3 @@ def test_sample_next_keeps_top_k_and_top_p_and_renormalises():
     tokens, logprobs = sample_next(logits[:2], 0.0, 1.0, -1, generators[:2])
     assert tokens.tolist() == [3, 3] and logprobs is None  # temperature 0: greedy
 
-
-# ---------------------------------------------------------------- tool calls (rollout.ToolEngine)
-
-
-def scripted_tool(code):
-    return "7 7 7", True
-
-
-def tool_turns(groups):
-    return [[(c.completion_ids, c.mask, c.tool_calls, c.truncated) for c in g] for g in groups]
-
-
-@requires_vllm
-def test_both_engines_take_the_same_tool_turns_and_keep_parity_over_the_models_tokens(tiny, vllm_engine):
-    """Greedy, the tiny model writes ':' after prompt 0 and ' 2' after prompt 1: with '::' as the close tag,
-    row 0 calls the (scripted) tool and row 1 never; both engines give the same ids, masks and turns.
-    Sampled, with 'e' as the close (most rows write one soon), the sampler's logprobs of the model's tokens
-    equal the trainer's; the tool's tokens are masked out of the comparison."""
-    from rollout import ToolEngine
-
-    cfg, _, tokenizer, policy, prompts = tiny
-    vllm_engine.wake(push_weights_iter(policy))
-    hf_engine = HFEngine(policy, tokenizer)
-    greedy = {}
-    for name, engine in (("hf", hf_engine), ("vllm", vllm_engine)):
-        tools = ToolEngine(engine, tokenizer, 2, scripted_tool, tags=(":", "::"))
-        greedy[name] = tool_turns(sample(tools, prompts, temperature=0.0, n=1))
-    assert greedy["hf"] == greedy["vllm"]
-    assert greedy["hf"][0][0][2] >= 1 and greedy["hf"][1][0][2] == 0  # row 0 called, row 1 did not
-    for engine in (hf_engine, vllm_engine):
-        tools = ToolEngine(engine, tokenizer, 2, scripted_tool, tags=("", "e"))  # open "": the whole turn is code
-        groups = sample(tools, prompts, n=4)
-        assert sum(c.tool_calls for g in groups for c in g) >= 4
-        assert trainer_gap(policy, cfg, groups) < 1e-3
-
-
-def test_hf_tool_rollouts_without_a_call_are_the_plain_engines(tiny):
-    """With tools on and no call made, a completion is exactly the one-turn engine's: same seeds, same ids."""
-    from rollout import ToolEngine
-
-    _, _, tokenizer, policy, prompts = tiny
-    engine = HFEngine(policy, tokenizer)
-    plain = sample(engine, prompts, temperature=1.0, n=3)
-    tools = sample(ToolEngine(engine, tokenizer, 2, scripted_tool), prompts, temperature=1.0, n=3)
-    for p, t in zip((c for g in plain for c in g), (c for g in tools for c in g)):
-        assert (t.completion_ids, t.logprobs, t.truncated, t.tool_calls) == (p.completion_ids, p.logprobs,
-                                                                            p.truncated, 0)
-        assert t.mask == [1] * len(p.completion_ids)
