@@ -146,8 +146,8 @@ def generate_and_score(engine, task, problems, prompt_ids, idx, seeds, cfg, temp
     lengths = [len(c.completion_ids) for c in completions]
     start = time.perf_counter()
     rewards, components = score(task, [c.text for c in completions], [problems[i] for i in problem], lengths, cfg)
-    tools = torch.tensor([[c.tool_calls, c.tool_errors, len(c.mask or []) - sum(c.mask or [])] for c in completions],
-                         dtype=torch.float).view(-1, 3)
+    tools = torch.tensor([[c.tool_calls, c.tool_errors, c.mask.count(0) if c.mask else 0] for c in completions],
+                         dtype=torch.float).view(-1, 3)  # the tool's output tokens are the mask's zeros
     if cfg.tool_error_penalty:  # a failed tool call costs a little, so the model learns to write code that runs
         rewards = rewards - cfg.tool_error_penalty * tools[:, 1]
     return Rollouts(problem, completions, rewards, components, torch.tensor(lengths, dtype=torch.float),
