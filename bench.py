@@ -75,6 +75,9 @@ def peak_of(fn, device):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith(key)) / 2**20  # KiB -> GiB
 
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back first, so the allocator's cache is not the base
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set (VmHWM) to the current one
     base = status("VmRSS")
@@ -103,6 +106,8 @@ def memory(argv, vocab=0):
 
         torch.manual_seed(0)
         policy = LlamaForCausalLM(LlamaConfig(**{**SHAPES[cfg.model], "vocab_size": vocab})).to(device)
+        if cfg.gradient_checkpointing:  # as load_policy does
+            policy.gradient_checkpointing_enable()
     else:
         _, policy = load_policy(cfg, model_path(cfg), device)
     L = min(cfg.micro_batch_tokens, cfg.max_prompt_len + cfg.max_completion_len)
@@ -136,20 +141,23 @@ def memory(argv, vocab=0):
     ours_gb = min(peak_of(lambda: update(False), device) for _ in range(2))
     fused_gb = min(peak_of(lambda: update(False, fused=True), device) for _ in range(2))
     naive_gb = min(peak_of(lambda: update(True), device) for _ in range(2))
-    print(f"micro-batch {B} x {L} tokens, vocabulary {policy.config.vocab_size}, on {device}: plain HF "
+    print(f"micro-batch {B} x {L} tokens, vocabulary {policy.config.vocab_size}, gradient checkpointing "
+          f"{policy.is_gradient_checkpointing}, on {device}: plain HF "
           f"forward+backward {plain_gb:.3f} GB | GRPO update {ours_gb:.3f} GB ({ours_gb / plain_gb:.2f}x) | "
           f"with fused_logprobs {fused_gb:.3f} GB ({fused_gb / plain_gb:.2f}x; {fused_gb / ours_gb:.2f}x the "
           f"update's) | with a full fp32 log_softmax {naive_gb:.3f} GB ({naive_gb / plain_gb:.2f}x)")
-    print(json.dumps({"micro_batch": [B, L], "vocab": policy.config.vocab_size, "plain_gb": plain_gb,
+    print(json.dumps({"micro_batch": [B, L], "vocab": policy.config.vocab_size,
+                      "gradient_checkpointing": policy.is_gradient_checkpointing, "plain_gb": plain_gb,
                       "grpo_update_gb": ours_gb, "fused_logprobs_gb": fused_gb, "naive_log_softmax_gb": naive_gb,
                       "ratio": ours_gb / plain_gb}))
 
 
-PASS_VARIANTS = [  # (name, shared_prompt, fused_logprobs); the first is the plain padded path
-    ("padded rows, full logits", False, False),
-    ("padded rows, fused logprobs", False, True),
-    ("shared prompt, full logits", True, False),
-    ("shared prompt, fused logprobs", True, True),
+PASS_VARIANTS = [  # (name, shared_prompt, tail_runs, fused_logprobs); the first is the plain padded path
+    ("padded rows, full logits", False, False, False),
+    ("padded rows, fused logprobs", False, False, True),
+    ("shared prompt, one run, full logits", True, False, False),
+    ("shared prompt, tail runs, full logits", True, True, False),
+    ("shared prompt, tail runs, fused", True, True, True),
 ]
 
 
@@ -170,8 +178,8 @@ def synthetic_batch(cfg, tokenizer, prompt_lens, completion_lens, seed=0):
         for C in completion_lens[g * G : (g + 1) * G]:
             completions.append(Completion(prompt, [rng.randrange(V) for _ in range(C)], "", [0.0] * C, False))
     n = len(completions)
-    return Rollouts(list(range(n)), completions, torch.zeros(n), {}, torch.tensor([len(c.completion_ids) for c in
-                                                                                  completions]), torch.zeros(n))
+    lengths = torch.tensor([len(c.completion_ids) for c in completions])
+    return Rollouts(list(range(n)), completions, torch.zeros(n), {}, lengths, torch.zeros(n), torch.zeros(n, 3))
 
 
 def passes(argv, shape, repeats):
@@ -209,8 +217,8 @@ def passes(argv, shape, repeats):
           f"completions {min(completion_lens)}-{max(completion_lens)}, micro_batch_tokens {cfg.micro_batch_tokens}, "
           f"{cfg.dtype}, {device}")
     results = []
-    for name, shared, fused in PASS_VARIANTS:
-        vcfg = dataclasses.replace(cfg, shared_prompt=shared, fused_logprobs=fused)
+    for name, shared, runs, fused in PASS_VARIANTS:
+        vcfg = dataclasses.replace(cfg, shared_prompt=shared, tail_runs=runs, fused_logprobs=fused)
         ub = prepare_update(batch, advantages, vcfg, tokenizer.pad_token_id, device)
 
         def ref_pass():
@@ -232,14 +240,15 @@ def passes(argv, shape, repeats):
                         "pad_frac": 1 - ub.computed_real / ub.computed, "ref_s": ref_s, "update_s": update_s,
                         "update_peak_gb": peak, "micro_batches": len(ub.micro)})
     base = results[0]
-    print(f"{'variant':32s} {'computed':>9s} {'pad':>6s} {'ref s':>7s} {'update s':>9s} {'ref+upd':>8s} "
+    print(f"{'variant':38s} {'computed':>9s} {'pad':>6s} {'ref s':>7s} {'update s':>9s} {'ref+upd':>8s} "
           f"{'peak GB':>8s} {'peak':>6s}")
     for r in results:
         total = (r["ref_s"] + r["update_s"]) / (base["ref_s"] + base["update_s"])
-        print(f"{r['variant']:32s} {r['tokens_computed']:9d} {r['pad_frac']:6.1%} {r['ref_s']:7.2f} "
+        print(f"{r['variant']:38s} {r['tokens_computed']:9d} {r['pad_frac']:6.1%} {r['ref_s']:7.2f} "
               f"{r['update_s']:9.2f} {total:7.2f}x {r['update_peak_gb']:8.3f} "
               f"{r['update_peak_gb'] / base['update_peak_gb']:5.2f}x")
     print(json.dumps(results))
+    return results
 
 
 def _seconds(fn, device):

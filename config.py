@@ -88,6 +88,8 @@ class Config:
     micro_batch_tokens: int = 2048  # O3: token budget (prompt + completion) of one micro-batch
     # Prefix Grouper (2025), verl use_prefix_grouper: a group's G completions share their prompt's keys and values
     shared_prompt: bool = True  # compute each group's prompt once in every pass, not G times; False = padded rows
+    # with shared_prompt, one rank: the completion pass in runs of rows of similar length, each padded to its longest
+    tail_runs: bool = True  # O3: exact; False = every row padded to the micro-batch's longest completion
     # ~10% slower on a CPU (one more head matmul in backward); on a GPU with a 152k vocabulary the memory is decisive
     fused_logprobs: bool = False  # L6: token logprobs from hidden states x head in chunks, no (B, T, V) logits
 

@@ -58,6 +58,7 @@ from model import (
     push_weights_iter,
     sequence_logprobs,
     shared_prompt_logprobs,
+    tail_runs,
 )
 from preflight import preflight
 from rewards import run_python
@@ -231,15 +232,17 @@ def micro_batches(lengths, budget):
     return out + [current] if current else out
 
 
-def shared_prompt_cost(rows, lengths, prompt_lens, groups):
+def shared_prompt_cost(rows, lengths, prompt_lens, groups, runs=True):
     """(positions computed, real tokens among them) of one micro-batch under shared_prompt: each group's prompt
-    but its last token once, (groups x longest), then every row's last prompt token + completion (rows x longest)."""
+    but its last token once, (groups x longest), then every row's last prompt token + completion, each run of
+    rows of similar length (tail_runs) padded to its longest: sum of (run rows x run longest)."""
     prompts = {groups[i]: prompt_lens[i] - 1 for i in rows}
     tails = [lengths[i] - prompt_lens[i] + 1 for i in rows]
-    return len(prompts) * max(prompts.values()) + len(rows) * max(tails), sum(prompts.values()) + sum(tails)
+    completions = sum(len(run) * max(tails[r] for r in run) for run in tail_runs(tails, runs))
+    return len(prompts) * max(prompts.values()) + completions, sum(prompts.values()) + sum(tails)
 
 
-def shared_micro_batches(lengths, prompt_lens, groups, budget):
+def shared_micro_batches(lengths, prompt_lens, groups, budget, runs=True):
     """O3 under shared_prompt: whole groups together (longest group first) while the two passes fit `budget`
     positions (shared_prompt_cost); a group over the budget alone is split between its rows, each part
     computing the prompt once."""
@@ -249,7 +252,7 @@ def shared_micro_batches(lengths, prompt_lens, groups, budget):
     order = sorted(members.values(), key=lambda rows: -max(lengths[i] for i in rows))
     out, current = [], []
     for i in (i for rows in order for i in sorted(rows, key=lambda i: -lengths[i])):
-        if current and shared_prompt_cost(current + [i], lengths, prompt_lens, groups)[0] > budget:
+        if current and shared_prompt_cost(current + [i], lengths, prompt_lens, groups, runs)[0] > budget:
             out.append(current)
             current = []
         current.append(i)
@@ -335,8 +338,8 @@ def plan_micro_batches(rows, lengths, prompt_lens, groups, cfg):
     """O3: one mini-batch's rows as micro-batches under the token budget; (micro, positions computed, real tokens)."""
     sub = [lengths[r] for r in rows], [prompt_lens[r] for r in rows], [groups[r] for r in rows]
     if cfg.shared_prompt:  # whole groups per micro-batch, each prompt computed once
-        plan = shared_micro_batches(*sub, cfg.micro_batch_tokens)
-        costs = [shared_prompt_cost(mb, *sub) for mb in plan]
+        plan = shared_micro_batches(*sub, cfg.micro_batch_tokens, tail_runs_on(cfg))
+        costs = [shared_prompt_cost(mb, *sub, tail_runs_on(cfg)) for mb in plan]
     else:  # padded rows: rows x longest
         plan = micro_batches(sub[0], cfg.micro_batch_tokens)
         costs = [(len(mb) * max(sub[0][i] for i in mb), sum(sub[0][i] for i in mb)) for mb in plan]
@@ -352,6 +355,12 @@ def check_shared_prompts(completions, G):
                              f"tokens (an engine that rewrites prompts?); set --shared_prompt=false")
 
 
+def tail_runs_on(cfg):
+    """Whether the completion pass runs rows of similar length together (several forwards a micro-batch): only on
+    one rank, where the number of forwards may differ between micro-batches (FSDP and DDP ranks must match)."""
+    return cfg.tail_runs and parallel.world() == 1
+
+
 def forward_logprobs(model, ids, attention, cfg, temperature, prompt_lens=None, groups=None):
     """(logprobs, entropy), each (b, L-1) fp32, for the tokens ids[:, 1:] (L6: bf16 compute, fp32 logprobs).
 
@@ -359,7 +368,8 @@ def forward_logprobs(model, ids, attention, cfg, temperature, prompt_lens=None, 
     """
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
         if prompt_lens is not None:
-            return shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, cfg.fused_logprobs)
+            return shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, cfg.fused_logprobs,
+                                          tail_runs_on(cfg))
         return sequence_logprobs(model, ids, temperature, cfg.fused_logprobs, attention_mask=attention)
 
 

@@ -318,24 +318,40 @@ def split_shared_prompts(ids, attention, prompt_lens, groups):
     return prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of
 
 
-def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, fused):
+def tail_runs(tails, split=True):
+    """The completion pass's rows (indices into tails) in runs of similar length, each run padded only to its own
+    longest: sorted longest first, a run ends before the first row at most half as long as the run's longest, so
+    no run is more than half padding. split=False: one run of every row, in order (the pass padded to the longest)."""
+    if not split:
+        return [list(range(len(tails)))]
+    runs = []
+    for r in sorted(range(len(tails)), key=lambda r: -tails[r]):
+        if not runs or 2 * tails[r] <= tails[runs[-1][0]]:
+            runs.append([])
+        runs[-1].append(r)
+    return runs
+
+
+def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, fused, runs=True):
     """sequence_logprobs of right-padded rows whose groups share a prompt, computing each prompt once.
 
     ids, attention: (b, L) prompt + completion, right-padded; prompt_lens: (b,); groups: (b,) group ids.
-    Rows with the same group id must have the same prompt. Two forwards, gradients through both:
+    Rows with the same group id must have the same prompt. Two kinds of forward, gradients through all:
       1. the prompt pass: each group's prompt but its last token, once: (n, P) left-padded, its keys
          and values kept (PromptCache);
-      2. the completion pass: every row's last prompt token + completion, (b, 1 + C) right-padded, on top
-         of its group's keys and values (SharedPromptCache), at positions P_r - 1, P_r, ...
+      2. the completion pass: every row's last prompt token + completion, right-padded, on top of its
+         group's keys and values (SharedPromptCache), at positions P_r - 1, P_r, ...; with runs, rows of
+         similar length together (tail_runs), one forward per run padded to that run's longest.
     The last prompt token goes with the completions because its output predicts the first completion token.
     Returns (logprobs, entropy), each (b, L-1), in the padded coordinates of sequence_logprobs(ids).
     Exact: the same attention, positions and tokens as the padded forward; only each prompt's repeats go.
+    Every call makes the same number of forwards only with runs=False (FSDP and DDP ranks must match).
     """
     b, L = ids.shape
     device = ids.device
     prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of = split_shared_prompts(ids, attention, prompt_lens, groups)
-    P, C = prompt_ids.shape[1], rows_ids.shape[1]
-    cache, tie = None, 0.0
+    P = prompt_ids.shape[1]
+    prompt_kv, tie = None, 0.0
     with checkpoint_with_cache(model):
         if P > 0:
             cache = PromptCache()
@@ -345,18 +361,27 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
             # FSDP2 gathers a layer's weights for backward when the gradient of the layer's output arrives; the
             # prompt's keys and values bypass the outputs, so the pass's output joins the result with weight 0
             tie = 0.0 * out.logits.float().sum()
-            cache = SharedPromptCache([(layer.keys[slot_of], layer.values[slot_of]) for layer in cache.layers])
-        positions = (prompt_lens - 1)[:, None] + torch.arange(C, device=device)  # (b, C)
-        mask = torch.cat([prompt_mask[slot_of], rows_mask], 1) if P > 0 else rows_mask
-        lp, entropy = sequence_logprobs(model, rows_ids, temperature, fused, attention_mask=mask,
-                                        position_ids=positions, past_key_values=cache, use_cache=False)
-    lp = lp + tie
-    # (b, C-1) -> (b, L-1): completion-pass position j predicts the token at padded position P_r + j
-    cols = (prompt_lens - 1)[:, None] + torch.arange(C - 1, device=device)  # (b, C-1)
-    valid = rows_mask[:, 1:].bool()
-    out = []
-    for values in (lp, entropy):
-        full = values.new_zeros(b, L - 1 + C)  # room for every row's columns, cut to L - 1 below
-        full.scatter_(1, cols, torch.where(valid, values, 0.0))
-        out.append(full[:, : L - 1])
-    return tuple(out)
+            prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        tails = rows_mask.sum(1)  # (b,) each row's last prompt token + completion
+        order, parts = [], []
+        for run in tail_runs(tails.tolist(), runs):
+            C = int(tails[run].max())
+            slots = slot_of[run]
+            positions = (prompt_lens[run] - 1)[:, None] + torch.arange(C, device=device)  # (r, C)
+            mask = torch.cat([prompt_mask[slots], rows_mask[run, :C]], 1) if P > 0 else rows_mask[run, :C]
+            run_cache = SharedPromptCache([(k[slots], v[slots]) for k, v in prompt_kv]) if P > 0 else None
+            lp, entropy = sequence_logprobs(model, rows_ids[run, :C], temperature, fused, attention_mask=mask,
+                                            position_ids=positions, past_key_values=run_cache, use_cache=False)
+            # (r, C-1) -> (r, L-1): completion-pass position j predicts the token at padded position P_r + j
+            cols = (prompt_lens[run] - 1)[:, None] + torch.arange(C - 1, device=device)  # (r, C-1)
+            valid = rows_mask[run, 1:C].bool()
+            placed = []
+            for values in (lp + tie, entropy):
+                full = values.new_zeros(len(run), L - 1 + C)  # room for every row's columns, cut to L - 1 below
+                full.scatter_(1, cols, torch.where(valid, values, 0.0))
+                placed.append(full[:, : L - 1])
+            order += run
+            parts.append(placed)
+    back = torch.empty(b, dtype=torch.long, device=device)
+    back[torch.tensor(order, device=device)] = torch.arange(b, device=device)  # the runs' rows -> the input's order
+    return tuple(torch.cat([p[i] for p in parts])[back] for i in range(2))

@@ -191,9 +191,13 @@ def test_micro_batches_respect_the_token_budget():
 def test_shared_prompt_micro_batches_keep_groups_whole_under_the_budget():
     """Cost of a micro-batch: its groups' prompts but the last token, once (groups x longest), plus every row's
     last prompt token + completion (rows x longest). Hand-worked: groups 0 (prompt 11) and 1 (prompt 21), G = 2."""
-    lengths, prompt_lens, groups = [20, 15, 40, 30], [11, 11, 21, 21], [0, 0, 1, 1]
-    assert grpo.shared_prompt_cost([0, 1], lengths, prompt_lens, groups) == (1 * 10 + 2 * 10, 10 + 10 + 5)
-    assert grpo.shared_prompt_cost([0, 2], lengths, prompt_lens, groups) == (2 * 20 + 2 * 20, 30 + 10 + 20)
+    lengths, prompt_lens, groups = [20, 15, 40, 30], [11, 11, 21, 21], [0, 0, 1, 1]  # tails 10, 5, 20, 10
+    assert grpo.shared_prompt_cost([0, 1], lengths, prompt_lens, groups, False) == (1 * 10 + 2 * 10, 10 + 10 + 5)
+    assert grpo.shared_prompt_cost([0, 2], lengths, prompt_lens, groups, False) == (2 * 20 + 2 * 20, 30 + 10 + 20)
+    # tail runs: a tail at most half its run's longest starts a run of its own, padded to its own length
+    assert grpo.shared_prompt_cost([0, 1], lengths, prompt_lens, groups) == (1 * 10 + 10 + 5, 10 + 10 + 5)
+    assert grpo.shared_prompt_cost([0, 2], lengths, prompt_lens, groups) == (2 * 20 + 20 + 10, 30 + 10 + 20)
+    assert grpo.shared_prompt_cost([0, 3], lengths, prompt_lens, groups) == (2 * 20 + 2 * 10, 30 + 10 + 10)
     assert grpo.shared_micro_batches(lengths, prompt_lens, groups, 1000) == [[2, 3, 0, 1]]  # longest group first
     assert grpo.shared_micro_batches(lengths, prompt_lens, groups, 60) == [[2, 3], [0, 1]]  # 20 + 2 x 20 = 60 fits
     # a group over the budget alone is split between its rows, each part computing the prompt once

@@ -162,11 +162,24 @@ def values_and_grads(model, fn, mask):
     return (lp * mask).detach(), (ent * mask).detach(), grads
 
 
-@pytest.mark.parametrize("setup", ["tied", "untied", "checkpointing", "lora"])
+def test_tail_runs_pad_no_run_beyond_half():
+    from model import tail_runs
+
+    assert tail_runs([4, 7, 2, 5, 6, 3]) == [[1, 4, 3, 0], [5, 2]]  # 7 6 5 4 | 3 2: 3 <= 7 / 2 starts a run
+    assert tail_runs([96, 10, 96, 40, 12]) == [[0, 2], [3], [4, 1]]
+    assert tail_runs([4, 7, 2], split=False) == [[0, 1, 2]]
+    for tails in ([1] * 5, [9, 1, 5, 3, 7, 2, 8], list(range(1, 40))):
+        runs = tail_runs(tails)
+        assert sorted(r for run in runs for r in run) == list(range(len(tails)))
+        assert all(2 * tails[r] > tails[run[0]] == max(tails[i] for i in run) for run in runs for r in run)
+
+
+@pytest.mark.parametrize("setup", ["tied", "untied", "checkpointing", "lora", "one run"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_shared_prompt_forward_equals_the_padded_rows(tmp_path_factory, setup, fused):
     """Each group's prompt once (prompt pass + completions on its keys and values) gives the padded forward's
-    logprobs, entropies and gradients to 1e-5 in fp32: tied and untied heads, gradient checkpointing, LoRA."""
+    logprobs, entropies and gradients to 1e-5 in fp32: tied and untied heads, gradient checkpointing, LoRA; the
+    completion pass in runs by length (here 7 6 5 4 | 3 2 tokens) and as one padded run."""
     from transformers import AutoModelForCausalLM
 
     from model import sequence_logprobs, shared_prompt_logprobs
@@ -187,7 +200,8 @@ def test_shared_prompt_forward_equals_the_padded_rows(tmp_path_factory, setup, f
     ids, attention, mask, prompt_lens, groups = grouped_rows(model.config.vocab_size)
     padded = values_and_grads(model, lambda: sequence_logprobs(model, ids, 0.7, False, attention_mask=attention), mask)
     shared = values_and_grads(
-        model, lambda: shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 0.7, fused), mask)
+        model, lambda: shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 0.7, fused,
+                                              runs=setup != "one run"), mask)
     assert torch.allclose(shared[0], padded[0], atol=1e-5) and torch.allclose(shared[1], padded[1], atol=1e-5)
     assert shared[2].keys() == padded[2].keys() and len(padded[2]) > 0
     for name, grad in padded[2].items():
