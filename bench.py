@@ -182,38 +182,45 @@ def synthetic_batch(cfg, tokenizer, prompt_lens, completion_lens, seed=0):
     return Rollouts(list(range(n)), completions, torch.zeros(n), {}, lengths, torch.zeros(n), torch.zeros(n, 3))
 
 
+def batch_shape(cfg, tokenizer, shape):
+    """Prompt lengths (one per group) and completion lengths (one per row) of a benchmark batch. "run": the
+    config's task prompts, completions of 1..max_completion_len tokens; "countdown": prompts of 130-170 and
+    completions of 300-1000 tokens (a Countdown run's)."""
+    import random
+
+    from task import load_problems, load_task, tokenize_prompts
+
+    rng, n_prompts = random.Random(0), cfg.batch_size // cfg.group_size
+    if shape == "run":
+        task = load_task(cfg)
+        problems = load_problems(cfg, task, "train")[:n_prompts]
+        prompt_lens = [len(p) for p in tokenize_prompts(tokenizer, task, problems, cfg.max_prompt_len)]
+        return prompt_lens, [rng.randint(1, cfg.max_completion_len) for _ in range(cfg.batch_size)]
+    return [rng.randint(130, 170) for _ in range(n_prompts)], [rng.randint(300, 1000) for _ in range(cfg.batch_size)]
+
+
 def passes(argv, shape, repeats):
     """Reference pass and update (forward + backward) seconds, positions computed and peak memory, for each
     PASS_VARIANTS on one batch, side by side in this process. shape "run": the config's model and task prompts,
     completions of 1..max_completion_len tokens; "countdown": the tiny model (or the config's), prompts of ~150
     and completions of 300-1000 tokens."""
     import dataclasses
-    import random
 
     import torch
 
     from config import config_from_argv
     from grpo import Passes, accumulate_gradients, batch_logprobs, prepare_update
     from model import load_policy, model_path
-    from task import load_problems, load_task, tokenize_prompts
 
     cfg = config_from_argv(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer, policy = load_policy(cfg, model_path(cfg), device)
     policy.train()
-    rng, n_prompts = random.Random(0), cfg.batch_size // cfg.group_size
-    if shape == "run":
-        task = load_task(cfg)
-        problems = load_problems(cfg, task, "train")[:n_prompts]
-        prompt_lens = [len(p) for p in tokenize_prompts(tokenizer, task, problems, cfg.max_prompt_len)]
-        completion_lens = [rng.randint(1, cfg.max_completion_len) for _ in range(cfg.batch_size)]
-    else:
-        prompt_lens = [rng.randint(130, 170) for _ in range(n_prompts)]
-        completion_lens = [rng.randint(300, 1000) for _ in range(cfg.batch_size)]
+    prompt_lens, completion_lens = batch_shape(cfg, tokenizer, shape)
     batch = synthetic_batch(cfg, tokenizer, prompt_lens, completion_lens)
     advantages = torch.randn(len(batch))
     state = dataclasses.make_dataclass("State", [("beta", float)])(cfg.beta)
-    print(f"{n_prompts} prompts x {cfg.group_size}: prompts {min(prompt_lens)}-{max(prompt_lens)} tokens, "
+    print(f"{len(prompt_lens)} prompts x {cfg.group_size}: prompts {min(prompt_lens)}-{max(prompt_lens)} tokens, "
           f"completions {min(completion_lens)}-{max(completion_lens)}, micro_batch_tokens {cfg.micro_batch_tokens}, "
           f"{cfg.dtype}, {device}")
     results = []
@@ -249,6 +256,78 @@ def passes(argv, shape, repeats):
               f"{r['update_peak_gb'] / base['update_peak_gb']:5.2f}x")
     print(json.dumps(results))
     return results
+
+
+def packed_logprobs(model, ids, attention, temperature):
+    """O4, padding-free packing: sequence_logprobs of right-padded rows, computed as one (1, T) sequence of their
+    real tokens with positions restarting at each row. transformers (masking_utils) reads the restarts from
+    position_ids and keeps attention within each row for every attention implementation: flash_attention_2 as
+    variable-length sequences, sdpa and eager as a dense (T, T) block-diagonal mask. Returns (b, L-1) each."""
+    import torch
+
+    from loss import logprobs_and_entropy
+
+    lengths = attention.sum(1).tolist()
+    flat = torch.cat([ids[r, :n] for r, n in enumerate(lengths)])[None]  # (1, T)
+    positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])[None]
+    # no attention_mask and no cache: then transformers reads the restarts as the mask (with a cache it does not)
+    logits = model(input_ids=flat, position_ids=positions, use_cache=False).logits
+    lp, entropy = logprobs_and_entropy(logits[:, :-1], flat[:, 1:], temperature)  # (1, T-1); row ends are unused
+    starts = torch.tensor([0] + lengths[:-1], device=ids.device).cumsum(0)  # (b,) each row's first flat position
+    cols = torch.arange(ids.shape[1] - 1, device=ids.device)
+    index = (starts[:, None] + cols).clamp(max=flat.shape[1] - 2)  # (b, L-1) flat position of each row's column
+    real = cols < (attention.sum(1) - 1)[:, None]
+    return tuple(torch.where(real, v[0][index], 0.0) for v in (lp, entropy))
+
+
+def packing(argv, shape, repeats):
+    """O4 measured: forward + backward of the padded rows' micro-batches (longest first under the token budget)
+    against the same micro-batches packed into one sequence each (packed_logprobs), on one batch; prints
+    positions computed, padding, seconds and the largest logprob difference."""
+    import dataclasses
+
+    import torch
+
+    from config import config_from_argv
+    from grpo import prepare_update
+    from model import load_policy, model_path, sequence_logprobs
+
+    cfg = dataclasses.replace(config_from_argv(argv), shared_prompt=False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer, policy = load_policy(cfg, model_path(cfg), device)
+    policy.train()
+    batch = synthetic_batch(cfg, tokenizer, *batch_shape(cfg, tokenizer, shape))
+    ub = prepare_update(batch, torch.randn(len(batch)), cfg, tokenizer.pad_token_id, device)
+    weights = ub.mask * ub.advantages[:, None]
+
+    def run(packed):
+        lps = []
+        for mb in ub.micro:
+            L = int(ub.attention[mb].sum(1).max())
+            ids, attention = ub.ids[mb, :L], ub.attention[mb, :L]
+            if packed:
+                lp, _ = packed_logprobs(policy, ids, attention, cfg.temperature)
+            else:
+                lp, _ = sequence_logprobs(policy, ids, cfg.temperature, False, attention_mask=attention)
+            (lp * weights[mb, : L - 1]).sum().backward()
+            lps.append((lp * ub.mask[mb, : L - 1]).detach())
+        policy.zero_grad(set_to_none=True)
+        return lps
+
+    run(False), run(True)  # warm up
+    padded_s = min(_seconds(lambda: run(False), device) for _ in range(repeats))
+    packed_s = min(_seconds(lambda: run(True), device) for _ in range(repeats))
+    diff = max(float((a - b).abs().max()) for a, b in zip(run(False), run(True)))
+    real = int(ub.attention.sum())
+    result = {"shape": shape, "attn_implementation": policy.config._attn_implementation,
+              "micro_batches": len(ub.micro), "padded_positions": int(ub.computed), "packed_positions": real,
+              "pad_frac": 1 - real / ub.computed, "padded_s": padded_s, "packed_s": packed_s,
+              "max_logprob_diff": diff}
+    print(f"{len(ub.micro)} micro-batches, {result['attn_implementation']} attention: padded rows "
+          f"{int(ub.computed)} positions ({result['pad_frac']:.1%} padding) {padded_s:.2f} s | packed {real} "
+          f"positions {packed_s:.2f} s ({packed_s / padded_s:.2f}x) | largest logprob difference {diff:.1e}")
+    print(json.dumps(result))
+    return result
 
 
 def _seconds(fn, device):
@@ -339,13 +418,17 @@ def main():
     parser.add_argument("--micro-batches", type=int, default=4, help="with --update: micro-batches per step")
     parser.add_argument("--passes", choices=["run", "countdown"], default=None,
                         help="time the reference pass and the update with and without shared prompts / fused logprobs")
-    parser.add_argument("--repeats", type=int, default=1, help="with --passes: timed repeats, the fastest kept")
+    parser.add_argument("--packing", choices=["run", "countdown"], default=None,
+                        help="time padded micro-batches against the same packed into one sequence each (O4)")
+    parser.add_argument("--repeats", type=int, default=1, help="with --passes/--packing: timed repeats, fastest kept")
     args, overrides = parser.parse_known_args()
     config_args = (["--config", args.config] if args.config else []) + overrides
     if args.memory:
         return memory(config_args, args.vocab)
     if args.passes:
         return passes(config_args, args.passes, args.repeats)
+    if args.packing:
+        return packing(config_args, args.packing, args.repeats)
     if args.update:
         return update_only(config_args, args.steps, args.warmup, args.micro_batches)
     results = [summarise(e, run_engine(e, args.config, overrides, args.steps, args.warmup))

@@ -890,6 +890,10 @@ def prepare_run(argv):
     except ValueError as e:  # a malformed dataset row (DataError), or fewer distinct problems than asked for
         raise ConfigError(str(e)) from e
     check_task_output(task, problems[0], cfg)  # a prompt() or reward() of the wrong type fails before a model loads
+    log = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if not cfg.resume and not cfg.eval_only and os.path.exists(log) and os.path.getsize(log):
+        raise ConfigError(f"{cfg.out_dir} already holds a run (its metrics.jsonl), which a fresh run would append "
+                          "to; continue it with --resume=true, or give this run another --out_dir (or delete it)")
     with parallel.local_rank0_first():  # one rank per machine builds or converts the model folder, tidies out_dir
         os.makedirs(cfg.out_dir, exist_ok=True)
         path = model_path(cfg)

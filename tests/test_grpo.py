@@ -174,6 +174,11 @@ def test_bad_input_fails_before_any_model_loads(tmp_path):
         grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--resume=true"])
     proc = subprocess.run([sys.executable, "grpo.py", "--batch_size=30"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1 and "config error: batch_size=30 is not divisible by group_size=8" in proc.stderr
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')  # an earlier run's log: a fresh run would append to it
+    with pytest.raises(ConfigError, match="already holds a run .* --resume=true, or give this run another --out_dir"):
+        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}"])
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    (tmp_path / "metrics.jsonl").unlink()
     with pytest.raises(ConfigError, match="> max_prompt_len=8"):
         grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
                    "--max_prompt_len=8", "--max_completion_len=8", "--micro_batch_tokens=64"])
