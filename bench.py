@@ -3,6 +3,8 @@
     python bench.py                               # the default CPU run, both engines, 3 timed steps each
     python bench.py --config config/tiny.py --steps 10 --engines hf
     python bench.py --memory                      # update peak vs one plain forward+backward, same micro-batch
+    python bench.py --passes run                  # reference + update with/without shared prompts, tail runs, fused
+    python bench.py --packing countdown --config config/tiny.py --micro_batch_tokens=8192   # O4: padded vs packed
     torchrun --nproc_per_node=1 bench.py --update --config config/countdown_3b.py   # the update alone, FSDP2
 
 Phases: each engine runs grpo.py in a subprocess (eval and checkpoints off) for warmup + steps + 1
@@ -314,10 +316,10 @@ def packing(argv, shape, repeats):
         policy.zero_grad(set_to_none=True)
         return lps
 
-    run(False), run(True)  # warm up
+    padded, packed = run(False), run(True)  # the warm-up, and the exactness check
+    diff = max(float((a - b).abs().max()) for a, b in zip(padded, packed))
     padded_s = min(_seconds(lambda: run(False), device) for _ in range(repeats))
     packed_s = min(_seconds(lambda: run(True), device) for _ in range(repeats))
-    diff = max(float((a - b).abs().max()) for a, b in zip(run(False), run(True)))
     real = int(ub.attention.sum())
     result = {"shape": shape, "attn_implementation": policy.config._attn_implementation,
               "micro_batches": len(ub.micro), "padded_positions": int(ub.computed), "packed_positions": real,

@@ -347,7 +347,7 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
     Exact: the same attention, positions and tokens as the padded forward; only each prompt's repeats go.
     Every call makes the same number of forwards only with runs=False (FSDP and DDP ranks must match).
     """
-    b, L = ids.shape
+    L = ids.shape[1]
     device = ids.device
     prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of = split_shared_prompts(ids, attention, prompt_lens, groups)
     P = prompt_ids.shape[1]
@@ -375,13 +375,14 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
             # (r, C-1) -> (r, L-1): completion-pass position j predicts the token at padded position P_r + j
             cols = (prompt_lens[run] - 1)[:, None] + torch.arange(C - 1, device=device)  # (r, C-1)
             valid = rows_mask[run, 1:C].bool()
-            placed = []
-            for values in (lp + tie, entropy):
-                full = values.new_zeros(len(run), L - 1 + C)  # room for every row's columns, cut to L - 1 below
-                full.scatter_(1, cols, torch.where(valid, values, 0.0))
-                placed.append(full[:, : L - 1])
+            parts.append([padded_columns(v, cols, valid, L - 1) for v in (lp + tie, entropy)])
             order += run
-            parts.append(placed)
-    back = torch.empty(b, dtype=torch.long, device=device)
-    back[torch.tensor(order, device=device)] = torch.arange(b, device=device)  # the runs' rows -> the input's order
+    back = torch.argsort(torch.tensor(order, device=device))  # the runs' rows back in the input's order
     return tuple(torch.cat([p[i] for p in parts])[back] for i in range(2))
+
+
+def padded_columns(values, cols, valid, width):
+    """(r, C) values placed at columns cols (r, C) of (r, width) zeros; invalid positions stay 0."""
+    full = values.new_zeros(len(values), width + values.shape[1])  # room for every row's columns, cut below
+    full.scatter_(1, cols, torch.where(valid, values, 0.0))
+    return full[:, :width]
