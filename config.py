@@ -177,6 +177,9 @@ class Config:
     # AVX2-only CPU a bf16 matmul measured 6x slower than fp32) and vLLM's bf16 kernels differ more from the trainer's
     dtype: str = "auto"  # O5: compute dtype "bfloat16" | "float32" | "auto"; logprobs and loss stay fp32 (L6)
     gradient_checkpointing: bool = False  # O5: recompute activations in backward; trades ~30% time for memory
+    # glibc hands big freed blocks back to the kernel, so each micro-batch's logits and activations are faulted back
+    # in, page by page (PyTorch's CPU tuning guides preload jemalloc or tcmalloc for the same reason)
+    cpu_keep_memory: bool = True  # on a CPU: freed memory stays in the process for reuse (mallopt); False = glibc's way
     lora_rank: int = 0  # O5: LoRA rank through peft; 0 = full fine-tuning
     lora_alpha: int = 32  # O5: LoRA scale numerator (the update is scaled by lora_alpha / lora_rank)
 

@@ -44,13 +44,12 @@ class _LogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, tokens, lse, entropy = ctx.saved_tensors
-        grad = torch.zeros_like(logits)
+        grad = torch.empty_like(logits)  # the chunks cover every position: nothing to zero first
         for b, s in _chunks(logits.shape[0], logits.shape[1], ctx.chunk):
-            log_p = logits[b, s].to(lse.dtype) / ctx.temperature - lse[b, s, None]  # (c, V)
-            g = _softmax_grad(log_p, tokens[b, s], entropy[b, s],
-                              grad_logp[b, s] if grad_logp is not None else None,
-                              grad_entropy[b, s] if grad_entropy is not None else None)
-            grad[b, s] = (g / ctx.temperature).to(grad.dtype)
+            log_p = logits[b, s].to(lse.dtype) / ctx.temperature - lse[b, s, None]  # (c, V), a fresh chunk
+            grad[b, s] = _softmax_grad(log_p, tokens[b, s], entropy[b, s],
+                                       grad_logp[b, s] if grad_logp is not None else None,
+                                       grad_entropy[b, s] if grad_entropy is not None else None, ctx.temperature)
         return grad, None, None, None
 
 
@@ -111,7 +110,7 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
             h = hidden[s].to(cd)  # (c, H)
             log_p = _head(h, w, bias, cd).to(lse.dtype) / ctx.temperature - lse[s, None]  # (c, V)
             g = _softmax_grad(log_p, tokens[s], entropy[s], grad_logp[s] if grad_logp is not None else None,
-                              grad_entropy[s] if grad_entropy is not None else None) / ctx.temperature
+                              grad_entropy[s] if grad_entropy is not None else None, ctx.temperature)
             grad_hidden[s] = (g.to(cd) @ w).to(grad_hidden.dtype)  # dL/dh = g W
             grad_weight += (g.to(cd).T @ h).to(grad_weight.dtype)  # dL/dW = g^T h
             if bias is not None:
@@ -127,23 +126,40 @@ def _head(h, w, bias, compute_dtype):
 
 
 def _softmax_stats(z, tokens):
-    """(logsumexp, log p(token), entropy), each (c,), of one chunk of (c, V) scaled logits and its (c,) tokens."""
+    """(logsumexp, log p(token), entropy), each (c,), of one chunk of (c, V) scaled logits and its (c,) tokens.
+
+    z is the caller's scratch copy and is overwritten: log p is computed in its memory, so a chunk costs one
+    (c, V) buffer besides z (at V = 152k every pass over a chunk is memory traffic, not arithmetic).
+    """
     lse = torch.logsumexp(z, dim=-1)
-    log_p = z - lse[:, None]  # (c, V)
+    log_p = z.sub_(lse[:, None])  # (c, V), in z's memory
+    token_logp = log_p.gather(-1, tokens[:, None]).squeeze(-1)
     # H = -sum p log p; the equal form lse - sum p z loses ~1e-5 to cancellation in fp32
-    return lse, log_p.gather(-1, tokens[:, None]).squeeze(-1), -(torch.exp(log_p) * log_p).sum(-1)
+    entropy = torch.exp(log_p).mul_(log_p).sum(-1).neg_()
+    return lse, token_logp, entropy
 
 
-def _softmax_grad(log_p, tokens, entropy, grad_logp, grad_entropy):
-    """d(loss)/dz for z -> (log p(token), entropy): (c, V) fp32, from upstream (c,) gradients (None = zero)."""
-    p = torch.exp(log_p)
-    g = torch.zeros_like(log_p)
-    if grad_logp is not None:  # d log p_k / dz = onehot(k) - p
-        g -= p * grad_logp[:, None]
-        g.scatter_add_(-1, tokens[:, None], grad_logp[:, None])
-    if grad_entropy is not None:  # dH / dz = -p * (log p + H)
-        g -= grad_entropy[:, None] * p * (log_p + entropy[:, None])
-    return g
+def _softmax_grad(log_p, tokens, entropy, grad_logp, grad_entropy, temperature):
+    """d(loss)/d(logits) for logits -> z = logits / T -> (log p(token), entropy): (c, V) fp32, from the upstream
+    (c,) gradients g_k, g_H (None = zero). With d log p_k / dz = onehot(k) - p and dH / dz = -p (log p + H):
+
+        d(loss)/dz = onehot(k) g_k - p (g_k + g_H (log p + H)),   and d(loss)/d(logits) = that / T.
+
+    The 1/T goes on the (c,) gradients first. log_p is a scratch chunk and is overwritten, as is p: two
+    (c, V) buffers, five passes over them.
+    """
+    g_k = grad_logp / temperature if grad_logp is not None else None
+    p = torch.exp(log_p)  # (c, V)
+    if grad_entropy is not None:
+        inner = log_p.add_(entropy[:, None]).mul_((grad_entropy / temperature)[:, None])  # g_H (log p + H)
+    else:
+        inner = log_p.zero_()
+    if g_k is not None:
+        inner.add_(g_k[:, None])
+    grad = p.mul_(inner).neg_()  # -p (g_k + g_H (log p + H))
+    if g_k is not None:
+        grad.scatter_add_(-1, tokens[:, None], g_k[:, None])  # + onehot(k) g_k
+    return grad
 
 
 def linear_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, bias=None, chunk=None):

@@ -257,12 +257,17 @@ def sequence_logprobs(model, ids, temperature, fused, **inputs):
     """(logprobs, entropy), each (b, T-1) fp32, of the tokens ids[:, 1:], from one forward of `model` over ids."""
     from loss import logprobs_and_entropy
 
+    # every position gets a token, the last a dummy one (it predicts nothing and is cut below): the logprob
+    # function then takes the logits whole, and its backward writes their gradient whole, where a slice
+    # logits[:, :-1] would cost a (b, T, V) zero fill and copy in backward
+    tokens = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # (b, T)
     if fused:  # no (b, T, V) logits: the head computes the logprobs itself, chunk by chunk
-        with head_returns_logprobs(model, torch.nn.functional.pad(ids[:, 1:], (0, 1)), temperature):
+        with head_returns_logprobs(model, tokens, temperature):
             out = model(input_ids=ids, **inputs).logits  # (b, T, 2)
         return out[:, :-1, 0], out[:, :-1, 1]
     logits = model(input_ids=ids, **inputs).logits  # (b, T, V)
-    return logprobs_and_entropy(logits[:, :-1], ids[:, 1:], temperature)
+    logprobs, entropy = logprobs_and_entropy(logits, tokens, temperature)
+    return logprobs[:, :-1], entropy[:, :-1]
 
 
 class PromptCache(DynamicCache):

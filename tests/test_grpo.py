@@ -184,6 +184,27 @@ def test_bad_input_fails_before_any_model_loads(tmp_path):
                    "--max_prompt_len=8", "--max_completion_len=8", "--micro_batch_tokens=64"])
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("keep", ["true", "false"])
+def test_cpu_keep_memory_reuses_freed_blocks(tmp_path, keep):
+    """cpu_keep_memory: after prepare_run on a CPU a freed 64 MB block serves the next allocation with no page
+    faults; off, glibc maps each such block afresh and every page is faulted in again (ru_minflt counts them)."""
+    code = f"""
+import resource, torch, grpo
+grpo.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}", "--device=cpu", "--cpu_keep_memory={keep}"])
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.ones(2**24)  # 64 MB, every page touched, then freed
+del x
+before = faults()
+y = torch.ones(2**24)
+print(faults() - before)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    faults, pages = int(proc.stdout.split()[-1]), 2**26 // os.sysconf("SC_PAGE_SIZE")
+    assert faults < pages // 10 if keep == "true" else faults > pages * 9 // 10
+
+
 def test_micro_batches_respect_the_token_budget():
     lengths = [10, 50, 30, 30, 20, 5, 45]
     batches = grpo.micro_batches(lengths, 100)
