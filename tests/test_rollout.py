@@ -90,6 +90,21 @@ def test_vllm_completions_fields(tiny, vllm_engine):
             assert c.text == tokenizer.decode(c.completion_ids, skip_special_tokens=True)
 
 
+def test_hf_engine_decodes_in_the_trainers_bf16(tiny):
+    """With dtype bfloat16 the engine decodes under the trainer's autocast: its logprobs carry bf16 rounding (they
+    differ from an fp32 engine's, which equal the fp32 trainer's), and they stay within the bf16 parity bound of
+    the bf16 trainer's."""
+    import dataclasses
+
+    cfg, _, tokenizer, policy, prompts = tiny
+    bf16 = dataclasses.replace(cfg, dtype="bfloat16")
+    fp32_groups = sample(HFEngine(policy, tokenizer), prompts, n=3)
+    bf16_groups = sample(HFEngine(policy, tokenizer, dtype="bfloat16"), prompts, n=3)
+    assert trainer_gap(policy, cfg, fp32_groups) < 5e-5
+    assert trainer_gap(policy, cfg, bf16_groups) > 5e-4  # bf16 compute, not fp32
+    assert trainer_gap(policy, bf16, bf16_groups) < 0.1  # PARITY_WARN["bfloat16"]
+
+
 def test_hf_engine_parity_and_fields(tiny):
     cfg, _, tokenizer, policy, prompts = tiny
     engine = HFEngine(policy, tokenizer)
@@ -308,6 +323,23 @@ def test_hf_engine_batches_prompts_yet_each_row_follows_its_own_seed(tiny):
     assert both == ids(HFEngine(policy, tokenizer), prompts, seeds)  # a fresh engine (a resumed run)
     assert both != ids(engine, prompts, [s + 100 for s in seeds])
     assert len({tuple(row) for row in both[0]}) > 1  # a group's rows are not copies of each other
+
+
+def test_sample_next_draws_each_token_with_its_probability():
+    """20,000 rows of probs 0.1, 0.2, 0.3, 0.4 (and a masked fifth): each token's share is its probability within
+    the sampling error (4 sigma); the masked token (p = 0) and nothing outside the vocabulary is ever drawn."""
+    import math
+
+    from rollout import sample_next
+
+    probs = (0.1, 0.2, 0.3, 0.4)
+    n = 20_000
+    logits = torch.tensor([[math.log(p) for p in probs] + [-float("inf")]]).repeat(n, 1)
+    tokens, _ = sample_next(logits, 1.0, 1.0, -1, [torch.Generator().manual_seed(i) for i in range(n)])
+    counts = torch.bincount(tokens, minlength=5).tolist()
+    assert counts[4] == 0 and sum(counts) == n
+    for count, p in zip(counts, probs):
+        assert abs(count / n - p) < 4 * math.sqrt(p * (1 - p) / n)
 
 
 def test_sample_next_keeps_top_k_and_top_p_and_renormalises():
