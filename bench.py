@@ -79,12 +79,23 @@ def peak_of(fn, device):
 
     import ctypes
 
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back first, so the allocator's cache is not the base
+    from grpo import keep_freed_memory
+
+    # While measuring, the resident set follows the live tensors: every block of 1 MB or more gets its own mapping,
+    # returned to the kernel when freed, and the heap's free top is trimmed. (glibc's default raises its mapping
+    # threshold as blocks are freed and keeps what it frees, so its peak depends on what ran before.)
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # malloc.h
+    libc.mallopt(M_MMAP_MAX, 65536), libc.mallopt(M_MMAP_THRESHOLD, 2**20), libc.mallopt(M_TRIM_THRESHOLD, 2**20)
+    libc.malloc_trim(0)  # hand freed memory back first, so the allocator's cache is not the base
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set (VmHWM) to the current one
     base = status("VmRSS")
-    fn()
-    return status("VmHWM") - base
+    try:
+        fn()
+        return status("VmHWM") - base
+    finally:
+        keep_freed_memory()  # back to the trainer's setting on a CPU (cpu_keep_memory) for what is timed next
 
 
 def memory(argv, vocab=0):
@@ -211,11 +222,13 @@ def passes(argv, shape, repeats):
     import torch
 
     from config import config_from_argv
-    from grpo import Passes, accumulate_gradients, batch_logprobs, prepare_update
+    from grpo import Passes, accumulate_gradients, batch_logprobs, keep_freed_memory, prepare_update
     from model import load_policy, model_path
 
     cfg = config_from_argv(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and cfg.cpu_keep_memory:  # times as the trainer's (grpo.prepare_run)
+        keep_freed_memory()
     tokenizer, policy = load_policy(cfg, model_path(cfg), device)
     policy.train()
     prompt_lens, completion_lens = batch_shape(cfg, tokenizer, shape)
@@ -242,9 +255,8 @@ def passes(argv, shape, repeats):
         if not results:  # warm the allocator once
             ref_pass(), update()
         ref_s = min(_seconds(ref_pass, device) for _ in range(repeats))
-        timed = []
-        peak = min(peak_of(lambda: timed.append(_seconds(update, device)), device) for _ in range(repeats))
-        update_s = min(timed)
+        update_s = min(_seconds(update, device) for _ in range(repeats))
+        peak = peak_of(update, device)  # on a CPU a run of its own: peak_of changes how the allocator keeps memory
         results.append({"variant": name, "tokens": int(ub.tokens), "tokens_computed": int(ub.computed),
                         "pad_frac": 1 - ub.computed_real / ub.computed, "ref_s": ref_s, "update_s": update_s,
                         "update_peak_gb": peak, "micro_batches": len(ub.micro)})

@@ -112,7 +112,10 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
             g = _softmax_grad(log_p, tokens[s], entropy[s], grad_logp[s] if grad_logp is not None else None,
                               grad_entropy[s] if grad_entropy is not None else None, ctx.temperature)
             grad_hidden[s] = (g.to(cd) @ w).to(grad_hidden.dtype)  # dL/dh = g W
-            grad_weight += (g.to(cd).T @ h).to(grad_weight.dtype)  # dL/dW = g^T h
+            if grad_weight.dtype == cd:  # dL/dW = g^T h, added in place: no (V, H) temporary
+                grad_weight.addmm_(g.T, h)
+            else:  # the product in the compute dtype (bf16), summed in fp32
+                grad_weight += (g.to(cd).T @ h).to(grad_weight.dtype)
             if bias is not None:
                 grad_bias += g.sum(0).to(grad_bias.dtype)
         grad_bias = grad_bias.to(bias.dtype) if bias is not None else None
@@ -167,7 +170,8 @@ def linear_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, bias=No
 
     hidden: (B, T, H) the model's final hidden states (after its last norm); hidden[:, t] produced tokens[:, t].
     weight: (V, H) the output matrix (lm_head.weight; the embedding when tied), bias (V,) or None.
-    tokens: (B, T) long. chunk: positions per chunk; default: about 2^26 logits (256 MB of fp32) per chunk.
+    tokens: (B, T) long. chunk: positions per chunk; default: about 2^24 logits (64 MB of fp32) per chunk, so the
+    few (chunk, V) buffers that forward and backward hold at once stay small beside the hidden states.
     The head's matmul runs in the autocast dtype when autocast is on (bf16 logits, as the model's own head
     would give), else in the weight's dtype; logprobs and entropy in fp32. Both differentiable in hidden,
     weight and bias.
@@ -178,7 +182,7 @@ def linear_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, bias=No
     device = hidden.device.type
     autocast = torch.is_autocast_enabled(device)
     compute_dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(hidden.dtype, weight.dtype)
-    chunk = chunk or max(1, 2**26 // weight.shape[0])
+    chunk = chunk or max(1, 2**24 // weight.shape[0])  # 110 positions at V = 152k
     B, T, H = hidden.shape
     with torch.autocast(device, enabled=False):  # the casts are explicit, in forward and backward alike
         logp, entropy = _LinearLogprobsEntropy.apply(hidden.reshape(B * T, H), weight, bias, tokens.reshape(B * T),
