@@ -574,8 +574,9 @@ def keep_freed_memory():
 
     By default each block over a threshold (32 MB at most) gets its own mapping and goes back to the kernel
     when freed, so every micro-batch's logits, gradients and activations are faulted back in and zeroed page
-    by page: a quarter of the update's time on a 2-core VM. Without mappings, and with the heap's top kept,
-    the next micro-batch reuses the same memory. The resident set then stays near its peak between steps.
+    by page (the default run's update took 40 s with it off, 32 s on, on a 2-core VM). Without mappings, and
+    with the heap's top kept, the next micro-batch reuses the same memory; the resident set then stays near
+    its peak between steps.
     """
     import ctypes
     import ctypes.util
