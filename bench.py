@@ -79,11 +79,10 @@ def peak_of(fn, device):
 
     import ctypes
 
-    from grpo import keep_freed_memory
-
-    # While measuring, the resident set follows the live tensors: every block of 1 MB or more gets its own mapping,
+    # From here on the resident set follows the live tensors: every block of 1 MB or more gets its own mapping,
     # returned to the kernel when freed, and the heap's free top is trimmed. (glibc's default raises its mapping
-    # threshold as blocks are freed and keeps what it frees, so its peak depends on what ran before.)
+    # threshold as blocks are freed and keeps what it frees, so its peak depends on what ran before.) The setting
+    # stays: time nothing after a peak.
     libc = ctypes.CDLL("libc.so.6")
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # malloc.h
     libc.mallopt(M_MMAP_MAX, 65536), libc.mallopt(M_MMAP_THRESHOLD, 2**20), libc.mallopt(M_TRIM_THRESHOLD, 2**20)
@@ -91,11 +90,8 @@ def peak_of(fn, device):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set (VmHWM) to the current one
     base = status("VmRSS")
-    try:
-        fn()
-        return status("VmHWM") - base
-    finally:
-        keep_freed_memory()  # back to the trainer's setting on a CPU (cpu_keep_memory) for what is timed next
+    fn()
+    return status("VmHWM") - base
 
 
 def memory(argv, vocab=0):
@@ -238,7 +234,7 @@ def passes(argv, shape, repeats):
     print(f"{len(prompt_lens)} prompts x {cfg.group_size}: prompts {min(prompt_lens)}-{max(prompt_lens)} tokens, "
           f"completions {min(completion_lens)}-{max(completion_lens)}, micro_batch_tokens {cfg.micro_batch_tokens}, "
           f"{cfg.dtype}, {device}")
-    results = []
+    results, updates = [], []
     for name, shared, runs, fused in PASS_VARIANTS:
         vcfg = dataclasses.replace(cfg, shared_prompt=shared, tail_runs=runs, fused_logprobs=fused)
         ub = prepare_update(batch, advantages, vcfg, tokenizer.pad_token_id, device)
@@ -248,7 +244,7 @@ def passes(argv, shape, repeats):
 
         ref = batch_logprobs(policy, ub, vcfg, cfg.temperature)[0] - 0.01  # a KL term to compute
 
-        def update():
+        def update(ub=ub, ref=ref, vcfg=vcfg):  # this variant's, bound now: its peak is taken after the loop
             accumulate_gradients(policy, ub, ub.minis[0], Passes(ref=ref), vcfg, cfg.temperature, state, {}, None, "")
             policy.zero_grad(set_to_none=True)
 
@@ -256,10 +252,12 @@ def passes(argv, shape, repeats):
             ref_pass(), update()
         ref_s = min(_seconds(ref_pass, device) for _ in range(repeats))
         update_s = min(_seconds(update, device) for _ in range(repeats))
-        peak = peak_of(update, device)  # on a CPU a run of its own: peak_of changes how the allocator keeps memory
+        updates.append(update)
         results.append({"variant": name, "tokens": int(ub.tokens), "tokens_computed": int(ub.computed),
                         "pad_frac": 1 - ub.computed_real / ub.computed, "ref_s": ref_s, "update_s": update_s,
-                        "update_peak_gb": peak, "micro_batches": len(ub.micro)})
+                        "micro_batches": len(ub.micro)})
+    for r, update in zip(results, updates):  # after all the timing: on a CPU peak_of changes the allocator's setting
+        r["update_peak_gb"] = peak_of(update, device)
     base = results[0]
     print(f"{'variant':38s} {'computed':>9s} {'pad':>6s} {'ref s':>7s} {'update s':>9s} {'ref+upd':>8s} "
           f"{'peak GB':>8s} {'peak':>6s}")
