@@ -65,6 +65,23 @@ def test_vllm_parity_after_0_1_and_5_pushes(tiny, vllm_engine):
 
 
 @requires_vllm
+def test_vllm_group_shares_its_prompts_kv_and_a_push_never_serves_the_old_one(tiny, vllm_engine):
+    """A group's G completions reuse its prompt's KV (vLLM's prefix cache, whole blocks only: on a CPU the
+    engine asks for 32-token blocks), and after a push the cache holds the new weights' KV, not the old."""
+    from vllm import SamplingParams
+
+    cfg, _, tokenizer, policy, _ = tiny
+    prompt = tokenizer(" ".join(str(i % 10) for i in range(40))).input_ids[:40]  # a block and a bit
+    vllm_engine.wake(push_weights_iter(policy))
+    out = vllm_engine.llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=4, max_tokens=4), use_tqdm=False)
+    assert out[0].num_cached_tokens == 32  # the siblings found the first block already computed
+    assert trainer_gap(policy, cfg, sample(vllm_engine, [prompt])) < 1e-3
+    perturb(policy, 0.2)
+    vllm_engine.wake(push_weights_iter(policy))  # the prompt's cached KV is now stale, and must not be served
+    assert trainer_gap(policy, cfg, sample(vllm_engine, [prompt])) < 1e-3
+
+
+@requires_vllm
 def test_vllm_stale_weights_are_visible_and_the_push_changes_the_output(tiny, vllm_engine):
     cfg, _, _, policy, prompts = tiny
     vllm_engine.wake(push_weights_iter(policy))
