@@ -97,7 +97,7 @@ class VLLMEngine:
             # vLLM's prefix cache shares a prompt's KV between the G completions of its group only in whole
             # blocks; its CPU backend picks 128-token blocks, longer than many prompts (the default run's are ~92
             # tokens), so every completion would prefill its prompt again. 32 is the CPU kernels' smallest
-            # fast size (GPU backends default to 16).
+            # fast size; on a GPU vLLM's own choice stays.
             block_size=None if on_gpu else 32,
             logprobs_mode="processed_logprobs",  # after temperature (R5); the default "raw" would ignore it
             # under torchrun: one engine per rank (or per group of vllm_tensor_parallel consecutive ranks),
