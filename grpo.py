@@ -63,23 +63,26 @@ from model import (
 )
 from preflight import preflight
 from rewards import run_python
-from rollout import HFEngine, ToolEngine, VLLMEngine, vllm_available
+from rollout import HFEngine, ToolEngine, VLLMEngine, derive_seed, vllm_available
 from task import check_task_output, load_problems, load_task, score, tokenize_prompts
 
 # ---------------------------------------------------------------- seeds
 
 
-def prompt_seeds(base, first, count):
-    """One seed per prompt from a base seed and the prompt's place in the (global) batch only.
+def row_seeds(key, first, count, n):
+    """One seed per row: n rows for each of `count` prompts at global slots first, first + 1, ...; prompt-major.
 
-    Not from the rank or the run's history: a resumed run, or N ranks, sample what one straight run does.
+    Row j of slot i gets derive_seed(*key, i, j): a hash of the run's seed, the stream (a training step, or
+    eval), the prompt's place in the step's global batch and the row's place in its group. Never the rank or
+    the run's history: a resumed run, or N ranks, sample what one straight run does, and no two rows of a
+    run, nor two turns of a tool rollout (rollout.turn_seed), share a seed.
     """
-    return [base + (first + i) * 1_000_000_007 for i in range(count)]
+    return [derive_seed(*key, slot, j) for slot in range(first, first + count) for j in range(n)]
 
 
 def sampling_seeds(cfg, step, first, count):
-    """prompt_seeds for a training step: the base is (seed, step), so every step samples afresh."""
-    return prompt_seeds(cfg.seed * 1_000_003 + step, first, count)
+    """row_seeds of training step `step`: G rows for each of `count` prompts from global slot `first` on."""
+    return row_seeds((cfg.seed, "train", step), first, count, cfg.group_size)
 
 
 def temperature_at(step, cfg):
@@ -742,9 +745,10 @@ def evaluate(engine, task, problems, prompt_ids, cfg, seed):
     whole test set the same way (FSDP needs the ranks in step; test sets are small); rank 0 logs it.
     """
     idx = list(range(len(problems)))
-    seeds = prompt_seeds(seed, 0, len(idx))
-    greedy = engine.generate([prompt_ids[i] for i in idx], 1, seeds=seeds, temperature=0.0, top_p=1.0, top_k=-1,
-                             max_tokens=cfg.max_completion_len)
+    # the eval stream's own seeds, the same at every eval: evals differ by the weights alone
+    seeds = row_seeds((seed, "eval"), 0, len(idx), cfg.eval_k)
+    greedy = engine.generate([prompt_ids[i] for i in idx], 1, seeds=seeds[:: cfg.eval_k], temperature=0.0, top_p=1.0,
+                             top_k=-1, max_tokens=cfg.max_completion_len)
     texts = [g[0].text for g in greedy]
     rewards, comps = score(task, texts, problems, [len(g[0].completion_ids) for g in greedy], cfg)
     # every rank generates the same calls whatever the rewards say (FSDP's HF engine generates in lockstep)

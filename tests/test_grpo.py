@@ -524,3 +524,27 @@ def test_mini_batches_split_by_global_group_so_n_ranks_split_as_one():
     for k in range(2):
         assert sorted(rank0[k] + [4 + r for r in rank1[k]]) == one[k]  # rank 1's rows are global rows 4..7
     assert grpo.mini_batch_rows(6, 2, 1, first_group=0) == [[0, 1, 2, 3, 4, 5]]
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def test_no_two_rows_turns_or_steps_of_a_run_share_a_seed():
+    """Row j of slot i at step t, tool turn k: one seed each over a long run (64 prompts x G = 8 a step, 3 turns,
+    consecutive steps and steps far apart), eval's stream apart from training's; N ranks' slices are one
+    process's seeds, and the seeds are a pure function of the key (a resumed run, another process, gets them)."""
+    from rollout import derive_seed, turn_seed
+
+    cfg = config.load_config(overrides=["--group_size=8", "--batch_size=512", "--seed=1337"])
+    steps = [*range(150), *range(7850, 8000)]
+    seeds = [turn_seed(s, k) for t in steps for s in grpo.sampling_seeds(cfg, t, 0, 64) for k in range(3)]
+    assert len(seeds) == 300 * 64 * 8 * 3 and len(set(seeds)) == len(seeds)
+    assert all(0 <= s < 2**63 for s in seeds)  # vLLM keeps seeds as int64
+    for t in (0, 1, 7918):  # consecutive steps share none (with seed + step + slot * K + j they shared 56 of 64)
+        assert not set(grpo.sampling_seeds(cfg, t, 0, 64)) & set(grpo.sampling_seeds(cfg, t + 1, 0, 64))
+    assert not set(grpo.row_seeds((1337, "eval"), 0, 64, 8)) & set(seeds)
+    # two ranks, 32 prompts each: rank 1's slots are 32..63 of the global batch
+    halves = grpo.sampling_seeds(cfg, 5, 0, 32) + grpo.sampling_seeds(cfg, 5, 32, 32)
+    assert halves == grpo.sampling_seeds(cfg, 5, 0, 64)
+    assert grpo.sampling_seeds(cfg, 5, 0, 1) == [derive_seed(1337, "train", 5, 0, j) for j in range(8)]
+    assert derive_seed(1337, "train", 0, 0, 0) == 1204145446159308702  # blake2b: the same in every process

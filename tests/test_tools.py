@@ -14,7 +14,7 @@ from grpo import forward_logprobs, pad_batch
 from loss import grpo_loss
 from model import build_tiny, load_policy
 from rewards import code_reward, run_python
-from rollout import TOOL_OUTPUT, Completion, ToolEngine
+from rollout import TOOL_OUTPUT, Completion, ToolEngine, turn_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,7 +77,21 @@ def test_a_call_runs_and_the_trainer_sees_exactly_the_sampled_and_the_output_ids
     assert calls[0]["stop"] == ["</python>"] and calls[1]["stop"] == ["</python>"]  # turn 2 may call again
     assert calls[1]["prompts"] == [prompt + first + output]  # the context goes back as ids
     assert calls[1]["max_tokens"] == [64 - len(first) - len(output)]  # one budget for all turns
-    assert calls[0]["seeds"] != calls[1]["seeds"]
+    assert calls[0]["seeds"] == [5] and calls[1]["seeds"] == [turn_seed(5, 1)] != [5]  # each turn its own draw
+
+
+def test_each_row_keeps_its_own_seed_through_the_turns(tiny):
+    """Two prompts x n = 2: the engine gets one seed per row, the row's own on the first turn, then a seed of
+    the row and the turn; a row that did not call has no second turn."""
+    _, tokenizer, _ = tiny
+    engine = ToolEngine(ScriptedEngine(tokenizer, ["<python>print(1)</python>", " done"]), tokenizer, 2, run_python)
+    groups = engine.generate([[1, 2], [3]], 2, seeds=[11, 12, 13, 14], temperature=0.7, top_p=1.0, top_k=-1,
+                             max_tokens=64)
+    assert [len(g) for g in groups] == [2, 2] and all(c.tool_calls == 1 for g in groups for c in g)
+    calls = engine.engine.calls
+    assert calls[0]["seeds"] == [11, 12, 13, 14]
+    assert calls[1]["seeds"] == [turn_seed(s, 1) for s in (11, 12, 13, 14)]
+    assert len(set(calls[1]["seeds"]) | {11, 12, 13, 14}) == 8
 
 
 def test_max_tool_calls_the_budget_and_malformed_calls(tiny):
