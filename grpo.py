@@ -120,11 +120,17 @@ class Rollouts:
                         {k: v[rows] for k, v in self.components.items()}, self.lengths[rows], self.truncated[rows],
                         self.tools[rows], self.score_seconds, self.tool_seconds)
 
+    def component(self, name):
+        """(N,) values of a reward component; 0 on rows that did not report it, as score_batch fills them."""
+        return self.components.get(name, torch.zeros(len(self)))
+
     def __add__(self, other):
-        """Both batches' rows, self's first (R7's refills)."""
+        """Both batches' rows, self's first (R7's refills). Components: both batches' names (a task may report
+        a component for some problems only, and a batch whose rewards all failed has errors alone)."""
+        names = sorted({*self.components, *other.components})
         return Rollouts(self.problem + other.problem, self.completions + other.completions,
                         torch.cat([self.rewards, other.rewards]),
-                        {k: torch.cat([v, other.components[k]]) for k, v in self.components.items()},
+                        {k: torch.cat([self.component(k), other.component(k)]) for k in names},
                         torch.cat([self.lengths, other.lengths]), torch.cat([self.truncated, other.truncated]),
                         torch.cat([self.tools, other.tools]), self.score_seconds + other.score_seconds,
                         self.tool_seconds + other.tool_seconds)
@@ -134,8 +140,10 @@ class Rollouts:
         def gather(t):
             return torch.tensor(parallel.all_gather_list(t.tolist()))
 
+        # every rank gathers the union of the ranks' component names, in one order: each gather pairs alike
+        names = sorted(set(parallel.all_gather_list(sorted(self.components))))
         return Rollouts(parallel.all_gather_list(self.problem), [], gather(self.rewards),
-                        {k: gather(v) for k, v in self.components.items()}, gather(self.lengths),
+                        {k: gather(self.component(k)) for k in names}, gather(self.lengths),
                         gather(self.truncated), gather(self.tools).view(-1, 3), self.score_seconds, self.tool_seconds)
 
 

@@ -548,3 +548,96 @@ def test_no_two_rows_turns_or_steps_of_a_run_share_a_seed():
     assert halves == grpo.sampling_seeds(cfg, 5, 0, 64)
     assert grpo.sampling_seeds(cfg, 5, 0, 1) == [derive_seed(1337, "train", 5, 0, j) for j in range(8)]
     assert derive_seed(1337, "train", 0, 0, 0) == 1204145446159308702  # blake2b: the same in every process
+
+
+# ---------------------------------------------------------------- reward components across refills and ranks
+
+COLLECT = r'''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import grpo, parallel
+from config import load_config
+from rollout import Completion
+from task import Task
+
+
+class Engine:
+    """Row 0 of every group answers "1", the others "0" (every group has a spread); records the seeds."""
+
+    def __init__(self):
+        self.seeds = []
+
+    def generate(self, prompts, n, *, seeds, **sampling):
+        self.seeds += seeds
+        return [[Completion(list(p), [7], "1" if j == 0 else "0", [-1.0], False) for j in range(n)] for p in prompts]
+
+
+class InOrder:
+    """Prompts 0, 1, 2, ... in order."""
+
+    def __init__(self):
+        self.next = 0
+
+    def sample(self, k, step=None):
+        self.next += k
+        return list(range(self.next - k, self.next))
+
+
+def reward(completion, problem):
+    if problem["i"] in (2, 3):  # the first draw's last two prompts: all of rank 1's under 2 ranks
+        raise ValueError("this reward fails")
+    return {"correct": float(completion == "1"), **({"bonus": 0.5} if problem["i"] < 2 else {})}
+
+
+parallel.setup("cpu")
+cfg = load_config(overrides=["--batch_size=16", "--group_size=4", "--dynamic_sampling=true", "--reward_timeout=0"])
+problems = [{"id": str(i), "i": i} for i in range(20)]
+train = Task("test", None, None, reward), problems, [[100 + i] for i in range(20)]
+engine, sampler, steps = Engine(), InOrder(), []
+for step in range(2):
+    batch, drawn, rounds = grpo.collect_rollouts(engine, sampler, train, cfg, step, 1.0, {})
+    steps.append({"drawn": drawn.problem, "components": {k: v.tolist() for k, v in drawn.components.items()},
+                  "kept": {k: v.tolist() for k, v in batch.gathered().components.items()}})
+print("RESULT " + json.dumps({"rank": parallel.rank(), "steps": steps, "seeds": engine.seeds}))
+'''
+
+
+def collect(tmp_path, ranks):
+    """COLLECT's two steps of collect_rollouts on 1 process or 2 gloo ranks: each rank's RESULT."""
+    script = tmp_path / "collect.py"
+    script.write_text(COLLECT)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    cmd = (launcher if ranks > 1 else [sys.executable]) + [str(script), ROOT]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def test_reward_components_agree_across_refills_and_ranks(tmp_path):
+    """A task reports "bonus" for prompts 0 and 1 only, and its reward raises on prompts 2 and 3 (all of rank 1's
+    under 2 ranks). The refill lacks "bonus", rank 1 has only errors: every rank still logs the union of names,
+    0 where a row did not report one, the same on both ranks, and the first draw is one process's."""
+    one, = collect(tmp_path, 1)
+    two = collect(tmp_path, 2)
+    assert len(two) == 2
+    names = ["bonus", "correct", "errors", "timeouts"]
+    for result in (one, *two):
+        step0 = result["steps"][0]
+        assert sorted(step0["components"]) == names and sorted(step0["kept"]) == names
+        rows = step0["drawn"]  # the problem of each row drawn (G = 4 rows each)
+        comps = step0["components"]
+        assert comps["bonus"] == [0.5 if p < 2 else 0.0 for p in rows]
+        assert comps["errors"] == [float(p in (2, 3)) for p in rows]
+        assert comps["correct"] == [float(r % 4 == 0 and p not in (2, 3)) for r, p in enumerate(rows)]
+        assert comps["timeouts"] == [0.0] * len(rows)
+    for key in ("drawn", "components", "kept"):  # every rank holds the same global view
+        assert [s[key] for s in two[0]["steps"]] == [s[key] for s in two[1]["steps"]]
+    assert one["steps"][0]["drawn"][:16] == two[0]["steps"][0]["drawn"][:16] == [p for p in range(4) for _ in range(4)]
+    assert one["steps"][0]["drawn"][16:] == [p for p in (4, 5) for _ in range(4)]  # one refill of 2 prompts
+    assert two[0]["steps"][0]["drawn"][16:] == [p for p in (4, 5, 6, 7) for _ in range(4)]  # 2 a rank
+    # seeds: the first draw's rows are one process's, split by rank; no seed twice in either run
+    first = one["seeds"][:16]
+    assert two[0]["seeds"][:8] + two[1]["seeds"][:8] == first
+    assert len(set(one["seeds"])) == len(one["seeds"])
+    assert len(set(two[0]["seeds"] + two[1]["seeds"])) == len(two[0]["seeds"]) + len(two[1]["seeds"])
