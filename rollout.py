@@ -346,8 +346,10 @@ class ToolEngine:
     Each turn generates every unfinished completion in one batched call, stopping at the close tag
     ("</python>"); for each one that closed a call, the code between the open tag ("<python>") and the close
     runs (`run`: the sandbox), its output (TOOL_OUTPUT) is appended as tokens with mask 0, and the next turn
-    goes on from there, up to max_calls calls and max_tokens tokens in all (the tool's included). Token ids are
-    never re-tokenised from text: the trainer gets exactly the sampled ids and the output's ids, concatenated.
+    goes on from there, up to max_calls calls and max_tokens tokens in all (the tool's included). An output
+    that does not fit is cut inside its tags, which always close (or left out), and the completion ends there
+    as truncated. Token ids are never re-tokenised from text: the trainer gets exactly the sampled ids and the
+    output's ids, concatenated.
     """
 
     def __init__(self, engine, tokenizer, max_calls, run, tags=("<python>", "</python>")):
@@ -391,20 +393,36 @@ class ToolEngine:
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _call(self, row, text, max_tokens, sampled):
-        """Run the call that ends `text` (the model's last turn) and append its output, cut to the token budget."""
+        """Run the call that ends `text` (the model's last turn) and append its output in the token budget."""
         start = time.perf_counter()
         opened = text.rfind(self.open)
         if opened < 0:  # a close without an open: nothing to run, and the model is told so
             output, ok = f"error: no {self.open} before {self.close}", False
         else:
             output, ok = self.run(text[opened + len(self.open) : text.rfind(self.close)])
-        ids = self.tokenizer.encode(TOOL_OUTPUT.format(output.strip()), add_special_tokens=False)
         room = max_tokens - len(row.completion_ids)
-        self._append(row, ids[:room], [0.0] * min(room, len(ids)) if sampled else [], model=False)
-        row.truncated = len(ids) >= room  # no room left for the model to go on
+        ids, cut = self._output_ids(output.strip(), room)
+        self._append(row, ids, [0.0] * len(ids) if sampled else [], model=False)
+        row.truncated = cut or len(ids) >= room  # no room left for the model to go on
         row.tool_calls += 1
         row.tool_errors += not ok
         row.tool_seconds += time.perf_counter() - start
+
+    def _output_ids(self, output, room):
+        """(ids, cut): TOOL_OUTPUT around `output` if it fits in `room` tokens; else around as much of the output
+        as fits, or nothing when not even the empty frame does. Never an output without its closing tag: a
+        reward reading the model's last number would read the tool's."""
+        ids = self.tokenizer.encode(TOOL_OUTPUT.format(output), add_special_tokens=False)
+        if len(ids) <= room:
+            return ids, False
+        content = self.tokenizer.encode(output, add_special_tokens=False)
+        frame = len(self.tokenizer.encode(TOOL_OUTPUT.format(""), add_special_tokens=False))
+        for k in range(min(len(content), room - frame), -1, -1):  # tokens may merge across the cut: check
+            text = self.tokenizer.decode(content[:k])
+            ids = self.tokenizer.encode(TOOL_OUTPUT.format(text), add_special_tokens=False)
+            if len(ids) <= room:
+                return ids, True
+        return [], True
 
     @staticmethod
     def _append(row, ids, logprobs, model):

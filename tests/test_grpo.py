@@ -96,9 +96,9 @@ def test_a_run_with_tool_calls_trains_only_on_the_models_tokens_and_logs_the_too
     assert "eval/tools/share_using" in metrics[-1]
     samples = read_jsonl(out / "samples.jsonl")
     called = [s for s in samples if len(s["turns"]) > 1]
-    for s in called:  # the tool's turn is its output block (cut where the token budget ran out)
+    for s in called:  # the tool's turn is its output block, closed even where the token budget cut it
         role, text = s["turns"][1]
-        assert role == "tool" and (text.startswith("\n<output>\n") or "\n<output>\n".startswith(text)), text
+        assert role == "tool" and text.startswith("\n<output>\n") and text.endswith("\n</output>\n"), text
     assert all("".join(text for _, text in s["turns"]).endswith(s["completion"][-3:]) for s in called)
     # the penalty: each failed call costs 0.1 of a reward that is the share of digits (at most 1)
     assert any(s["reward"] < 0 for s in called)

@@ -103,11 +103,12 @@ def test_max_tool_calls_the_budget_and_malformed_calls(tiny):
     c = generate(engine, prompt)
     assert c.tool_calls == 1 and engine.engine.calls[1]["stop"] is None and len(engine.engine.calls) == 2
     assert c.text.endswith("<python>print(2)</python>")
-    # a budget that ends inside the tool's output: the output is cut, the completion is truncated, no next turn
+    # a budget that ends before even the empty output block fits: nothing is appended (an output is never left
+    # without its closing tag), the completion is truncated, no next turn
     first = len(encode(tokenizer, calls[0]))
     engine = ToolEngine(ScriptedEngine(tokenizer, calls), tokenizer, max_calls=2, run=run_python)
     c = generate(engine, prompt, max_tokens=first + 3)
-    assert len(c.completion_ids) == first + 3 and c.mask == [1] * first + [0] * 3 and c.truncated
+    assert len(c.completion_ids) == first and c.mask == [1] * first and c.truncated and c.tool_calls == 1
     assert len(engine.engine.calls) == 1
     # an unclosed call at the length limit is text: nothing runs
     engine = ToolEngine(ScriptedEngine(tokenizer, ["<python>print(1) and on and on"]), tokenizer, 2, run_python)
@@ -119,6 +120,22 @@ def test_max_tool_calls_the_budget_and_malformed_calls(tiny):
                         run=lambda code: ran.append(code) or ("", True))
     c = generate(engine, prompt)
     assert not ran and (c.tool_calls, c.tool_errors) == (1, 1) and "error: no <python> before </python>" in c.text
+
+
+def test_an_output_past_the_budget_is_cut_inside_its_tags(tiny):
+    """A long output with room for part of it: the block keeps both tags around the output's first part, fills
+    the budget, the completion is truncated and no turn follows; the reward cannot read the tool's text."""
+    _, tokenizer, _ = tiny
+    script = ["<python>print(*range(100))</python>", " never"]
+    first = len(encode(tokenizer, script[0]))
+    frame = len(encode(tokenizer, TOOL_OUTPUT.format("")))
+    engine = ToolEngine(ScriptedEngine(tokenizer, script), tokenizer, 2, run_python)
+    c = generate(engine, encode(tokenizer, "Go"), max_tokens=first + frame + 10)
+    tool = tokenizer.decode(c.completion_ids[first:])
+    assert tool.startswith("\n<output>\n0 1 2") and tool.endswith("\n</output>\n") and "99" not in tool
+    assert first + frame < len(c.completion_ids) <= first + frame + 10
+    assert c.mask == [1] * first + [0] * (len(c.completion_ids) - first) and c.truncated
+    assert len(engine.engine.calls) == 1 and c.text.endswith("</output>\n")
 
 
 def test_greedy_tool_rollouts_have_no_logprobs(tiny):
@@ -241,6 +258,30 @@ def test_the_multiply_task_judges_the_models_own_last_number():
     assert task.reward(call, p)["correct"] == 0.0  # the answer only in the tool's output: not the model's
     assert task.reward(call + "The answer is 47216.", p)["correct"] == 0.0
     assert task.reward("The answer is 47215.", p)["correct"] == 1.0  # in its head is fine too, if right
+    assert task.reward(call[: call.index("</output>")], p)["correct"] == 0.0  # an output cut short: the tool's
+
+
+def test_with_tools_the_math_task_judges_only_the_models_text_after_the_last_output():
+    """The tool's output may hold the right number, box or tag; only what the model wrote after it counts.
+    Without tools, math judges the whole completion as before."""
+    from task import load_task
+
+    task = load_task(load_config(overrides=["--task=math", "--tools=true"]))
+    p = {"question": "What is 2 + 3?", "answer": "5"}
+    call = "<think>```python\nprint(2 + 3)\n```\n<output>\n5\n</output>\n"
+    for tool_text in ("5", "\\boxed{5}", "<answer>5</answer>", "</think><answer>\\boxed{5}</answer>"):
+        cut = "<think>```python\nprint(2 + 3)\n```\n<output>\n" + tool_text  # cut before its closing tag
+        closed = cut + "\n</output>\n"
+        assert task.reward(cut, p)["correct"] == 0.0, tool_text
+        assert task.reward(closed, p)["correct"] == 0.0, tool_text  # the model wrote no answer of its own
+    assert task.reward(call + "so 5</think><answer>\\boxed{5}</answer>", p) == {"format": 1.0, "parsed": 1.0,
+                                                                               "correct": 1.0}
+    assert task.reward(call + "<answer>\\boxed{5}</answer>", p)["correct"] == 0.0  # inside the open think
+    unthought = call[len("<think>") :]
+    assert task.reward(unthought + "it is 5", p)["correct"] == 1.0  # math_last_number: the model's own number
+    assert task.reward(unthought + "it is 6", p)["correct"] == 0.0
+    plain = load_task(load_config(overrides=["--task=math"]))
+    assert plain.reward(unthought, p)["correct"] == 1.0  # tools off: the last number anywhere, as always
 
 
 @pytest.mark.parametrize("overrides, message", [
