@@ -962,7 +962,10 @@ def build_models(cfg, path, device, resume_from):
     if cfg.beta > 0 and not cfg.lora_rank:  # with LoRA the reference is the base: adapters disabled (F1)
         from transformers import AutoModelForCausalLM
 
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+        # the weights the run starts from (init_from, as TRL and verl take the reference), as with LoRA, whose
+        # base is init_from: at step 0 the KL is 0 either way
+        start = cfg.init_from or path
+        ref = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).eval().requires_grad_(False)
         if device == "cpu":
             grouped_heads_on_cpu(ref)
         ref = parallel.wrap(ref.to("cpu" if cfg.ref_offload else device), cfg.parallel, cfg.dtype, trainable=False)

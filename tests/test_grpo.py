@@ -641,3 +641,30 @@ def test_reward_components_agree_across_refills_and_ranks(tmp_path):
     assert two[0]["seeds"][:8] + two[1]["seeds"][:8] == first
     assert len(set(one["seeds"])) == len(one["seeds"])
     assert len(set(two[0]["seeds"] + two[1]["seeds"])) == len(two[0]["seeds"]) + len(two[1]["seeds"])
+
+
+# ---------------------------------------------------------------- init_from and the reference (F1)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_init_from_is_the_reference_so_the_first_kl_is_zero(tmp_path, lora):
+    """init_from a perturbed copy of the model, beta > 0: before any update the policy is the reference, in full
+    fine-tuning as with LoRA (whose reference is its base, init_from), so step 0's KL is exactly 0."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from model import build_tiny
+
+    folder = build_tiny(str(tmp_path / "tiny"))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(0)) * 0.1)
+    model.save_pretrained(tmp_path / "init")
+    AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "init")
+    out = tmp_path / "run"
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={out}", "--engine=hf",
+               f"--init_from={tmp_path / 'init'}", "--beta=0.01", "--max_steps=2", "--eval_every=0",
+               "--test_size=4", *(["--lora_rank=4"] if lora else [])])
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert metrics[0]["kl"] == 0.0
+    assert metrics[1]["kl"] > 0  # after an update the policy has moved away from it
