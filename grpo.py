@@ -183,7 +183,7 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
     G, world, rank = cfg.group_size, parallel.world(), parallel.rank()
     share = cfg.prompts_per_step // world  # prompts per rank, each with all its G completions
     t0 = time.perf_counter()
-    idx = parallel.my_slice(sampler.sample(cfg.prompts_per_step))
+    idx = parallel.my_slice(sampler.sample(cfg.prompts_per_step, step))
     batch = generate_and_score(engine, *train, idx, sampling_seeds(cfg, step, rank * share, share), cfg, temperature)
     drawn, rounds, num_drawn = batch.gathered(), 0, cfg.prompts_per_step
     if cfg.dynamic_sampling:  # R7: keep only groups with a reward spread; refill with fresh prompts
@@ -191,7 +191,7 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
         # refill rounds are decided on the global minimum, so every rank draws from the sampler alike
         while (fewest := int(parallel.all_min(len(batch) // G))) < share and rounds < cfg.dynamic_sampling_rounds:
             need = share - fewest  # per rank; world * need fresh prompts in all
-            idx = parallel.my_slice(sampler.sample(need * world))
+            idx = parallel.my_slice(sampler.sample(need * world, step))
             seeds = sampling_seeds(cfg, step, num_drawn + rank * need, need)
             more = generate_and_score(engine, *train, idx, seeds, cfg, temperature)
             drawn = drawn + more.gathered()
