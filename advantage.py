@@ -24,8 +24,10 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
               "leave-one-out" -> b_i = the mean of the other G - 1 rewards        (RLOO, Ahmadian et al. 2024)
                                  r_i - b_i = G / (G - 1) * (r_i - mean): GRPO's centred reward, scaled up
     scale:    "group" -> / max(std of the group's rewards, std_floor)           (A1, the GRPO paper's z-score)
-              "batch" -> / max(std of every r - b in the batch, std_floor)      (TRL scale_rewards="batch";
-                         with the mean baseline, REINFORCE++-baseline's whitening)
+              "batch" -> / max(std of every reward in the batch, std_floor)     (TRL scale_rewards="batch")
+                         TRL's exactly: the unbiased std of the raw rewards of the whole batch, gathered over
+                         all processes (batch_sum), except that TRL divides by std + 1e-4 where this floors
+                         the std at std_floor. Not REINFORCE++-baseline's whitening (token-level, verl).
               "none"  -> as it is                                               (A1, Dr. GRPO: no std division)
     zero_std_groups: groups whose reward std < std_floor get advantage 0 (A2, a common variant).
     clip:     clamp to [-clip, clip] after normalising; 0 = off (A3).
@@ -36,9 +38,9 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
     Example, one group of G = 4, rewards [1, 0, 0, 0] (mean 0.25, unbiased std 0.5):
                        scale "group"              "batch"                  "none"
       "mean"           [1.5, -0.5, -0.5, -0.5]    [1.5, -0.5, -0.5, -0.5]  [0.75, -0.25, -0.25, -0.25]
-      "leave-one-out"  [2, -2/3, -2/3, -2/3]      [1.5, -0.5, -0.5, -0.5]  [1, -1/3, -1/3, -1/3]
-    (The batch is this one group here. Leave-one-out is the mean baseline's advantage times G / (G - 1),
-    a factor that whitening by the batch std removes again.)
+      "leave-one-out"  [2, -2/3, -2/3, -2/3]      [2, -2/3, -2/3, -2/3]    [1, -1/3, -1/3, -1/3]
+    (The batch is this one group here, so "batch" is "group". Leave-one-out is the mean baseline's
+    advantage times G / (G - 1).)
     """
     groups = _groups(rewards, group_size)  # (P, G)
     G = group_size
@@ -55,7 +57,8 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
         # A2: a floor rather than "+ eps", so a std of 1e-6 cannot blow a 1e-6 reward gap up to 1.
         adv = adv / std.clamp(min=std_floor)
     elif scale == "batch":
-        adv = adv / batch_std(adv, batch_sum).clamp(min=std_floor)
+        # the std of the rewards themselves, not of the centred r - b: with a group baseline those are smaller
+        adv = adv / batch_std(groups, batch_sum).clamp(min=std_floor)
     elif scale != "none":
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     if zero_std_groups:

@@ -125,7 +125,7 @@ class Config:
 
     # ---- advantages (A1-A3) ----
     adv_baseline: str = "mean"  # A1: "mean" of the group (GRPO) | "leave-one-out": the other G-1's mean (RLOO)
-    # "batch": TRL scale_rewards="batch", REINFORCE++-baseline
+    # "batch" = TRL scale_rewards="batch": / the std of all the batch's rewards (not REINFORCE++'s whitening)
     adv_scale: str = "group"  # A1: "group": / the group std (z-score); "batch": / the batch std; "none" (Dr. GRPO)
     adv_std_floor: float = 1e-4  # A2: the std is floored at this before dividing
     adv_zero_std_groups: bool = False  # A2: True = groups with std < adv_std_floor get advantage 0 (a common variant)

@@ -63,23 +63,26 @@ from model import (
 )
 from preflight import preflight
 from rewards import run_python
-from rollout import HFEngine, ToolEngine, VLLMEngine, vllm_available
+from rollout import HFEngine, ToolEngine, VLLMEngine, derive_seed, vllm_available
 from task import check_task_output, load_problems, load_task, score, tokenize_prompts
 
 # ---------------------------------------------------------------- seeds
 
 
-def prompt_seeds(base, first, count):
-    """One seed per prompt from a base seed and the prompt's place in the (global) batch only.
+def row_seeds(key, first, count, n):
+    """One seed per row: n rows for each of `count` prompts at global slots first, first + 1, ...; prompt-major.
 
-    Not from the rank or the run's history: a resumed run, or N ranks, sample what one straight run does.
+    Row j of slot i gets derive_seed(*key, i, j): a hash of the run's seed, the stream (a training step, or
+    eval), the prompt's place in the step's global batch and the row's place in its group. Never the rank or
+    the run's history: a resumed run, or N ranks, sample what one straight run does, and no two rows of a
+    run, nor two turns of a tool rollout (rollout.turn_seed), share a seed.
     """
-    return [base + (first + i) * 1_000_000_007 for i in range(count)]
+    return [derive_seed(*key, slot, j) for slot in range(first, first + count) for j in range(n)]
 
 
 def sampling_seeds(cfg, step, first, count):
-    """prompt_seeds for a training step: the base is (seed, step), so every step samples afresh."""
-    return prompt_seeds(cfg.seed * 1_000_003 + step, first, count)
+    """row_seeds of training step `step`: G rows for each of `count` prompts from global slot `first` on."""
+    return row_seeds((cfg.seed, "train", step), first, count, cfg.group_size)
 
 
 def temperature_at(step, cfg):
@@ -117,11 +120,17 @@ class Rollouts:
                         {k: v[rows] for k, v in self.components.items()}, self.lengths[rows], self.truncated[rows],
                         self.tools[rows], self.score_seconds, self.tool_seconds)
 
+    def component(self, name):
+        """(N,) values of a reward component; 0 on rows that did not report it, as score_batch fills them."""
+        return self.components.get(name, torch.zeros(len(self)))
+
     def __add__(self, other):
-        """Both batches' rows, self's first (R7's refills)."""
+        """Both batches' rows, self's first (R7's refills). Components: both batches' names (a task may report
+        a component for some problems only, and a batch whose rewards all failed has errors alone)."""
+        names = sorted({*self.components, *other.components})
         return Rollouts(self.problem + other.problem, self.completions + other.completions,
                         torch.cat([self.rewards, other.rewards]),
-                        {k: torch.cat([v, other.components[k]]) for k, v in self.components.items()},
+                        {k: torch.cat([self.component(k), other.component(k)]) for k in names},
                         torch.cat([self.lengths, other.lengths]), torch.cat([self.truncated, other.truncated]),
                         torch.cat([self.tools, other.tools]), self.score_seconds + other.score_seconds,
                         self.tool_seconds + other.tool_seconds)
@@ -131,8 +140,10 @@ class Rollouts:
         def gather(t):
             return torch.tensor(parallel.all_gather_list(t.tolist()))
 
+        # every rank gathers the union of the ranks' component names, in one order: each gather pairs alike
+        names = sorted(set(parallel.all_gather_list(sorted(self.components))))
         return Rollouts(parallel.all_gather_list(self.problem), [], gather(self.rewards),
-                        {k: gather(v) for k, v in self.components.items()}, gather(self.lengths),
+                        {k: gather(self.component(k)) for k in names}, gather(self.lengths),
                         gather(self.truncated), gather(self.tools).view(-1, 3), self.score_seconds, self.tool_seconds)
 
 
@@ -172,7 +183,7 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
     G, world, rank = cfg.group_size, parallel.world(), parallel.rank()
     share = cfg.prompts_per_step // world  # prompts per rank, each with all its G completions
     t0 = time.perf_counter()
-    idx = parallel.my_slice(sampler.sample(cfg.prompts_per_step))
+    idx = parallel.my_slice(sampler.sample(cfg.prompts_per_step, step))
     batch = generate_and_score(engine, *train, idx, sampling_seeds(cfg, step, rank * share, share), cfg, temperature)
     drawn, rounds, num_drawn = batch.gathered(), 0, cfg.prompts_per_step
     if cfg.dynamic_sampling:  # R7: keep only groups with a reward spread; refill with fresh prompts
@@ -180,7 +191,7 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
         # refill rounds are decided on the global minimum, so every rank draws from the sampler alike
         while (fewest := int(parallel.all_min(len(batch) // G))) < share and rounds < cfg.dynamic_sampling_rounds:
             need = share - fewest  # per rank; world * need fresh prompts in all
-            idx = parallel.my_slice(sampler.sample(need * world))
+            idx = parallel.my_slice(sampler.sample(need * world, step))
             seeds = sampling_seeds(cfg, step, num_drawn + rank * need, need)
             more = generate_and_score(engine, *train, idx, seeds, cfg, temperature)
             drawn = drawn + more.gathered()
@@ -742,9 +753,10 @@ def evaluate(engine, task, problems, prompt_ids, cfg, seed):
     whole test set the same way (FSDP needs the ranks in step; test sets are small); rank 0 logs it.
     """
     idx = list(range(len(problems)))
-    seeds = prompt_seeds(seed, 0, len(idx))
-    greedy = engine.generate([prompt_ids[i] for i in idx], 1, seeds=seeds, temperature=0.0, top_p=1.0, top_k=-1,
-                             max_tokens=cfg.max_completion_len)
+    # the eval stream's own seeds, the same at every eval: evals differ by the weights alone
+    seeds = row_seeds((seed, "eval"), 0, len(idx), cfg.eval_k)
+    greedy = engine.generate([prompt_ids[i] for i in idx], 1, seeds=seeds[:: cfg.eval_k], temperature=0.0, top_p=1.0,
+                             top_k=-1, max_tokens=cfg.max_completion_len)
     texts = [g[0].text for g in greedy]
     rewards, comps = score(task, texts, problems, [len(g[0].completion_ids) for g in greedy], cfg)
     # every rank generates the same calls whatever the rewards say (FSDP's HF engine generates in lockstep)
@@ -950,7 +962,10 @@ def build_models(cfg, path, device, resume_from):
     if cfg.beta > 0 and not cfg.lora_rank:  # with LoRA the reference is the base: adapters disabled (F1)
         from transformers import AutoModelForCausalLM
 
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+        # the weights the run starts from (init_from, as TRL and verl take the reference), as with LoRA, whose
+        # base is init_from: at step 0 the KL is 0 either way
+        start = cfg.init_from or path
+        ref = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).eval().requires_grad_(False)
         if device == "cpu":
             grouped_heads_on_cpu(ref)
         ref = parallel.wrap(ref.to("cpu" if cfg.ref_offload else device), cfg.parallel, cfg.dtype, trainable=False)

@@ -183,6 +183,22 @@ def before_unclosed_think(text):
     return text[:start] if start >= 0 and text.find("</think>", start) < 0 else text
 
 
+def after_tool_outputs(text, tags=("<output>", "</output>")):
+    """The model's own text after the last tool output (rollout.TOOL_OUTPUT's tags): the only place a tool task's
+    answer is judged, so what a tool printed never counts as the model's answer. Text without an output is
+    returned whole; an output never closed leaves nothing (all after its opening tag is the tool's). A <think>
+    open where the last output ends stays open ("<think>" put in front), so an answer inside it is still
+    thinking (W4).
+    """
+    end = text.rfind(tags[1])
+    cut = end + len(tags[1]) if end >= 0 else 0
+    own = text[cut:]
+    if tags[0] in own:
+        return ""
+    thinking = text.rfind("<think>", 0, cut) > text.rfind("</think>", 0, cut)
+    return "<think>" + own if thinking else own
+
+
 # a number, with thousands separators read whole ("1,234" is 1234, not 234)
 LAST_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
 
@@ -219,22 +235,25 @@ def symbolic_equal(a, b, timeout=2.0):
     return result
 
 
-def math_reward(text, answer, last_number=False):
+def math_reward(text, answer, last_number=False, tools=False):
     """Math: the last \\boxed{} (else the <answer> content) equals `answer`, exactly or by sympy.
 
     last_number: with no box and no tag, judge the last number in the text instead (lm-eval's
     "flexible extract"); `parsed` stays 0 then, so unparsed_penalty still asks for a tagged answer.
+    tools: the box, the tag and the last number are looked for only in the model's own text after the last
+    tool output (after_tool_outputs); the format is still the whole completion's.
 
     Example: math_reward("<think>..</think><answer>\\boxed{\\frac{1}{2}}</answer>", "0.5")
     -> {"format": 1.0, "parsed": 1.0, "correct": 1.0}
     """
     out = {"format": float(has_format(text)), "parsed": 0.0, "correct": 0.0}
-    tagged = extract_answer(text)
-    given = last_boxed(tagged if tagged is not None else before_unclosed_think(text))
+    own = after_tool_outputs(text) if tools else text
+    tagged = extract_answer(own)
+    given = last_boxed(tagged if tagged is not None else before_unclosed_think(own))
     if given is None:
         given = tagged
     if given is None and last_number:
-        numbers = LAST_NUMBER.findall(before_unclosed_think(text)[-2000:])
+        numbers = LAST_NUMBER.findall(before_unclosed_think(own)[-2000:])
         fa = as_fraction(numbers[-1].replace(",", "")) if numbers else None
         return {**out, "correct": float(fa is not None and fa == as_fraction(normalize_math(str(answer))))}
     if not given or len(given) > MAX_ANSWER_CHARS:

@@ -2,20 +2,22 @@
 
 Both engines take prompts as token ids and return, per prompt, a list of G `Completion`s with the
 sampler's own logprob of every sampled token, taken from logits / temperature (R5) so they are
-directly comparable with the trainer's recomputed logprobs. Each prompt comes with a seed that
-depends on (seed, step, the prompt's place in the step's global batch) only, so a resumed run
-samples exactly what it would have. The HF engine gives each row its own generator (seed + j for row j
-of a prompt), so a row's sample does not depend on the batch it is in and N ranks sample what one
-process does. vLLM on a GPU does the same through a per-request seed (its V2 model runner
-otherwise draws each request's seed from numpy's global RNG, seeded once at engine start); on a CPU,
-where a per-request seed crashes vLLM's sampler, the whole call is seeded from the first prompt's
-seed (torch's and numpy's global generators, which the in-process CPU engine samples from).
+directly comparable with the trainer's recomputed logprobs. Each row (one completion) comes with
+its own seed, a hash of (seed, step, the prompt's place in the step's global batch, the row's index
+in its group) only (derive_seed), so a resumed run samples exactly what it would have. The HF engine
+gives each row its own generator, so a row's sample does not depend on the batch it is in and N ranks
+sample what one process does. vLLM on a GPU does the same through a per-request seed, one request per
+row (its V2 model runner otherwise draws each request's seed from numpy's global RNG, seeded once at
+engine start); on a CPU, where a per-request seed crashes vLLM's sampler, the whole call is seeded
+from its first row's seed (torch's and numpy's global generators, which the in-process CPU engine
+samples from).
 
 Both engines sample with exactly the settings the trainer assumes, nothing from the model's
 generation_config (a repetition penalty there would make the samples off-policy), and both stop on
 the same tokens (stop_tokens).
 """
 
+import hashlib
 import logging
 import os
 import time
@@ -43,6 +45,19 @@ class Completion:
     tool_calls: int = 0  # tool calls run
     tool_errors: int = 0  # of those, the ones that raised, timed out or were killed
     tool_seconds: float = 0.0  # wall time of its tool calls
+
+
+def derive_seed(*key):
+    """A seed below 2**63 (vLLM keeps seeds as int64) from a tuple of ints and strings, e.g.
+    (seed, "train", step, slot, j): blake2b of its repr, so keys that differ in any place give unrelated
+    seeds. (A sum like seed + step + slot * K + j repeats: row j of step t + 1 is row j + 1 of step t.)"""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def turn_seed(seed, turn):
+    """The seed of a tool rollout's turn: the row's own seed on the first turn, then one per turn from it."""
+    return seed if turn == 0 else derive_seed(seed, "turn", turn)
 
 
 def stop_tokens(tokenizer, generation_config):
@@ -111,14 +126,14 @@ class VLLMEngine:
             self.stop = stop_tokens(self.tokenizer, GenerationConfig.from_pretrained(path))
         except OSError:  # the folder has no generation_config.json
             self.stop = stop_tokens(self.tokenizer, None)
-        # per-request seeds: on a GPU the only way to tie sampling to the prompt's seed; on a CPU they crash
+        # per-request seeds: on a GPU the only way to tie sampling to the row's seed; on a CPU they crash
         self.per_request_seed = on_gpu
         self.dtype = getattr(torch, cfg.dtype)  # the engine's weights; the trainer keeps fp32 masters
         self.asleep = False
 
     def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None, progress=False):
-        """n completions per prompt; max_tokens: one budget for all, or one per prompt; stop: strings that
-        end a completion (kept in it), on top of the stop tokens."""
+        """n completions per prompt; seeds: one per row (n per prompt, prompt-major); max_tokens: one budget for
+        all, or one per prompt; stop: strings that end a completion (kept in it), on top of the stop tokens."""
         from vllm import SamplingParams
 
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
@@ -132,22 +147,32 @@ class VLLMEngine:
             return []
         # An explicit SamplingParams takes nothing from the model's generation_config but its EOS list (vLLM's
         # default params would take its repetition penalty too); stop_token_ids makes the stop set the HF engine's
-        params = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0 if temperature > 0 else None,
+        params = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0 if temperature > 0 else None,
                       stop_token_ids=self.stop, stop=stop or None, include_stop_str_in_output=True)
-        if self.per_request_seed:  # the n completions of a request get seed, seed + 1, ... (vLLM's parallel sampling)
-            params = [SamplingParams(**params, max_tokens=m, seed=seed) for seed, m in zip(seeds, budgets)]
+        if self.per_request_seed:
+            # one request per row, each with the row's own seed: with n > 1 vLLM would seed a request's samples
+            # seed, seed + 1, ... (its parallel sampling runs them as n child requests, so this costs the same,
+            # and the prefix cache still computes the prompt once)
+            requests = [p for p in prompts for _ in range(n)]
+            params = [SamplingParams(**params, n=1, max_tokens=m, seed=seed)
+                      for seed, m in zip(seeds, (m for m in budgets for _ in range(n)))]
         else:  # the in-process CPU engine samples from torch's global generator; numpy's too, to be safe
             torch.manual_seed(seeds[0])
             np.random.seed(seeds[0] % 2**32)
-            params = [SamplingParams(**params, max_tokens=m) for m in budgets]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
-        # decode ourselves: vLLM's incremental detokenizer can drop a trailing partial UTF-8 byte, and both
-        # engines must score the same text for the same tokens
-        return [[Completion(list(out.prompt_token_ids), list(c.token_ids),
-                            self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                            [next(iter(d.values())).logprob for d in c.logprobs] if c.logprobs else [],
-                            c.finish_reason == "length", c.stop_reason if isinstance(c.stop_reason, str) else None)
-                 for c in out.outputs] for out in outputs[mine]]
+            requests, params = prompts, [SamplingParams(**params, n=n, max_tokens=m) for m in budgets]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=progress)
+        # prompt-major rows, n per prompt, whichever way they were requested
+        rows = [self._completion(out.prompt_token_ids, c) for out in outputs for c in out.outputs]
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))][mine]
+
+    def _completion(self, prompt_ids, c):
+        """A Completion from one of vLLM's outputs. Decoded here: vLLM's incremental detokenizer can drop a
+        trailing partial UTF-8 byte, and both engines must score the same text for the same tokens."""
+        logprobs = [next(iter(d.values())).logprob for d in c.logprobs] if c.logprobs else []
+        stop_string = c.stop_reason if isinstance(c.stop_reason, str) else None
+        text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return Completion(list(prompt_ids), list(c.token_ids), text, logprobs, c.finish_reason == "length",
+                          stop_string)
 
     def wake(self, named_tensors):
         """R1 + R2, before generating: wake the weights, push the policy's, then wake the KV cache.
@@ -190,11 +215,11 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None, progress=False):
-        """n completions per prompt; max_tokens: one budget for all, or one per prompt; stop: strings that
-        end a completion (kept in it), on top of the stop tokens."""
+        """n completions per prompt; seeds: one per row (n per prompt, prompt-major); max_tokens: one budget for
+        all, or one per prompt; stop: strings that end a completion (kept in it), on top of the stop tokens."""
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        # every prompt's n rows in one batch; row j of a prompt is seeded seed + j, as vLLM seeds its n samples
-        rows = [(list(p), seed + j, m) for p, seed, m in zip(prompts, seeds, budgets) for j in range(n)]
+        # every prompt's n rows in one batch, each row drawn from a generator of its own seed
+        rows = [(list(p), seeds[i * n + j], m) for i, (p, m) in enumerate(zip(prompts, budgets)) for j in range(n)]
         was_training = self.policy.training
         self.policy.eval()
         try:
@@ -321,8 +346,10 @@ class ToolEngine:
     Each turn generates every unfinished completion in one batched call, stopping at the close tag
     ("</python>"); for each one that closed a call, the code between the open tag ("<python>") and the close
     runs (`run`: the sandbox), its output (TOOL_OUTPUT) is appended as tokens with mask 0, and the next turn
-    goes on from there, up to max_calls calls and max_tokens tokens in all (the tool's included). Token ids are
-    never re-tokenised from text: the trainer gets exactly the sampled ids and the output's ids, concatenated.
+    goes on from there, up to max_calls calls and max_tokens tokens in all (the tool's included). An output
+    that does not fit is cut inside its tags, which always close (or left out), and the completion ends there
+    as truncated. Token ids are never re-tokenised from text: the trainer gets exactly the sampled ids and the
+    output's ids, concatenated.
     """
 
     def __init__(self, engine, tokenizer, max_calls, run, tags=("<python>", "</python>")):
@@ -337,9 +364,9 @@ class ToolEngine:
         self.engine.sleep()
 
     def generate(self, prompts, n, *, seeds, max_tokens, progress=False, **sampling):
-        """The engines' generate, in turns: n completions per prompt, each a row of its own from the first turn."""
+        """The engines' generate, in turns: n completions per prompt, each a row of its own from the first turn
+        (seeds: one per row, as the engines take them)."""
         rows = [Completion(list(p), [], "", [], False, mask=[]) for p in prompts for _ in range(n)]
-        row_seeds = [seed + j for seed in seeds for j in range(n)]  # as the engines seed a prompt's n samples
         live = list(range(len(rows)))
         for turn in range(self.max_calls + 1):
             if parallel.all_max(len(live)) == 0:  # every rank decides alike: FSDP's HF engine generates in lockstep
@@ -348,7 +375,7 @@ class ToolEngine:
             # from the turn before, so only the tool's output is prefilled anew
             outs = self.engine.generate(
                 [rows[r].prompt_ids + rows[r].completion_ids for r in live], 1,
-                seeds=[row_seeds[r] + turn * 7919 for r in live],  # each turn its own draw, the same on a resume
+                seeds=[turn_seed(seeds[r], turn) for r in live],  # each turn its own draw, the same on a resume
                 max_tokens=[max_tokens - len(rows[r].completion_ids) for r in live],
                 stop=[self.close] if turn < self.max_calls else None,  # the last turn may not call
                 progress=progress, **sampling)
@@ -366,20 +393,36 @@ class ToolEngine:
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _call(self, row, text, max_tokens, sampled):
-        """Run the call that ends `text` (the model's last turn) and append its output, cut to the token budget."""
+        """Run the call that ends `text` (the model's last turn) and append its output in the token budget."""
         start = time.perf_counter()
         opened = text.rfind(self.open)
         if opened < 0:  # a close without an open: nothing to run, and the model is told so
             output, ok = f"error: no {self.open} before {self.close}", False
         else:
             output, ok = self.run(text[opened + len(self.open) : text.rfind(self.close)])
-        ids = self.tokenizer.encode(TOOL_OUTPUT.format(output.strip()), add_special_tokens=False)
         room = max_tokens - len(row.completion_ids)
-        self._append(row, ids[:room], [0.0] * min(room, len(ids)) if sampled else [], model=False)
-        row.truncated = len(ids) >= room  # no room left for the model to go on
+        ids, cut = self._output_ids(output.strip(), room)
+        self._append(row, ids, [0.0] * len(ids) if sampled else [], model=False)
+        row.truncated = cut or len(ids) >= room  # no room left for the model to go on
         row.tool_calls += 1
         row.tool_errors += not ok
         row.tool_seconds += time.perf_counter() - start
+
+    def _output_ids(self, output, room):
+        """(ids, cut): TOOL_OUTPUT around `output` if it fits in `room` tokens; else around as much of the output
+        as fits, or nothing when not even the empty frame does. Never an output without its closing tag: a
+        reward reading the model's last number would read the tool's."""
+        ids = self.tokenizer.encode(TOOL_OUTPUT.format(output), add_special_tokens=False)
+        if len(ids) <= room:
+            return ids, False
+        content = self.tokenizer.encode(output, add_special_tokens=False)
+        frame = len(self.tokenizer.encode(TOOL_OUTPUT.format(""), add_special_tokens=False))
+        for k in range(min(len(content), room - frame), -1, -1):  # tokens may merge across the cut: check
+            text = self.tokenizer.decode(content[:k])
+            ids = self.tokenizer.encode(TOOL_OUTPUT.format(text), add_special_tokens=False)
+            if len(ids) <= room:
+                return ids, True
+        return [], True
 
     @staticmethod
     def _append(row, ids, logprobs, model):

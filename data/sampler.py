@@ -15,8 +15,8 @@ class PromptSampler:
         self.num_prompts, self.seed = num_prompts, seed
         self.epoch, self.pos = 0, 0
 
-    def sample(self, k):
-        """The next k prompt indices."""
+    def sample(self, k, step=None):
+        """The next k prompt indices (step: unused; the curriculum's ramp counts steps)."""
         out = []
         while len(out) < k:
             order = list(range(self.num_prompts))
@@ -44,7 +44,8 @@ class CurriculumSampler:
     A prompt's pass rate is an exponential moving average of its groups' pass rates (weight `alpha`
     on the newest). easy: rate > easy_above; hard: rate < hard_below; medium otherwise, and a prompt
     never seen counts as medium. The hard weight grows linearly from 0 to its full value over
-    `ramp_steps` calls (common practice: jumping straight to mostly hard prompts destabilises training).
+    `ramp_steps` training steps (common practice: jumping straight to mostly hard prompts destabilises
+    training); a step's refills (R7) draw again at the same point of the ramp.
     """
 
     def __init__(self, num_prompts, seed, *, easy_above=0.8, hard_below=0.2, weights=(1, 2, 3), ramp_steps=100,
@@ -61,13 +62,14 @@ class CurriculumSampler:
             return 1  # medium
         return 0 if rate > self.easy_above else 2  # easy or hard
 
-    def sample(self, k):
-        """k distinct prompt indices (fewer only if there are fewer than k prompts in all)."""
+    def sample(self, k, step):
+        """k distinct prompt indices (fewer only if there are fewer than k prompts in all) for training step
+        `step`, which sets the hard share; every call draws afresh (a refill is another call, the same step)."""
         rng = random.Random(f"{self.seed}:{self.calls}")  # deterministic from the seed and the history
         buckets = [[], [], []]
         for i in range(self.num_prompts):
             buckets[self.bucket(i)].append(i)
-        ramp = min(1.0, self.calls / self.ramp_steps) if self.ramp_steps else 1.0
+        ramp = min(1.0, step / self.ramp_steps) if self.ramp_steps else 1.0
         weights = [self.weights[0], self.weights[1], self.weights[2] * ramp]
         out = []
         for _ in range(min(k, self.num_prompts)):

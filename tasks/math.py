@@ -1,7 +1,8 @@
 """Math word problems with exact answers (SPEC D1): the default run's task.   --task=math
 
 Generated locally (data/arith.py: addition by default, math_kinds for more); the answer is judged by
-rewards.math_reward: the last \\boxed{} or <answer>, or with math_last_number the text's last number.
+rewards.math_reward: the last \\boxed{} or <answer>, or with math_last_number the text's last number; with
+tools on, looked for only in what the model wrote after the last tool output.
 A dataset row works too (tasks/dataset.py): "question" gets this prompt's instructions, "prompt" is
 used as it is, and a GSM8K answer ("... #### 72") is judged by what follows ####.
 """
@@ -19,7 +20,8 @@ SETTINGS = {}
 
 
 def configure(cfg):
-    SETTINGS.update(kinds=cfg.math_kinds, max_number=cfg.math_max_number, last_number=cfg.math_last_number)
+    SETTINGS.update(kinds=cfg.math_kinds, max_number=cfg.math_max_number, last_number=cfg.math_last_number,
+                    tools=cfg.tools)
 
 
 def problems(split, n, seed):
@@ -34,7 +36,8 @@ def prompt(problem):
 
 def reward(completion, problem):
     answer = str(problem["answer"]).split("####")[-1].strip()  # GSM8K keeps the final answer after ####
-    return math_reward(completion, answer, SETTINGS.get("last_number", True))
+    # with tools on, only the model's own text after the last tool output can answer
+    return math_reward(completion, answer, SETTINGS.get("last_number", True), SETTINGS.get("tools", False))
 
 
 def check(problem):

@@ -9,6 +9,7 @@ answer is fine, leaving it in the tool's output is not.
 import random
 
 from data.split import in_split
+from rewards import after_tool_outputs
 
 # The tool's format is the one a small model already writes: a ```python block (config/multiply_tools.py
 # sets the tags). No concrete product in the prompt: a small model copies concrete numbers.
@@ -33,6 +34,6 @@ def prompt(problem):
 
 def reward(completion, problem):
     """correct: the last number the model writes after the tool's last output (or anywhere, without one)."""
-    own = completion[completion.rfind("</output>") + len("</output>") :] if "</output>" in completion else completion
+    own = after_tool_outputs(completion)  # never a number the tool printed, even in an output cut short
     digits = "".join(ch if ch.isdigit() else " " for ch in own.replace(",", "")).split()
     return {"correct": float(bool(digits) and int(digits[-1]) == problem["answer"])}

@@ -144,7 +144,8 @@ def test_every_baseline_and_scale_on_one_group_hand_worked():
     r = torch.tensor([1.0, 0, 0, 0])
     want = {("mean", "group"): [1.5, -0.5, -0.5, -0.5], ("mean", "batch"): [1.5, -0.5, -0.5, -0.5],
             ("mean", "none"): [0.75, -0.25, -0.25, -0.25], ("leave-one-out", "group"): [2, -2 / 3, -2 / 3, -2 / 3],
-            ("leave-one-out", "batch"): [1.5, -0.5, -0.5, -0.5], ("leave-one-out", "none"): [1, -1 / 3, -1 / 3, -1 / 3]}
+            ("leave-one-out", "batch"): [2, -2 / 3, -2 / 3, -2 / 3],
+            ("leave-one-out", "none"): [1, -1 / 3, -1 / 3, -1 / 3]}
     for (baseline, scale), expected in want.items():
         assert group_advantages(r, 4, baseline=baseline, scale=scale).tolist() == pytest.approx(expected)
 
@@ -159,14 +160,32 @@ def test_leave_one_out_against_a_naive_loop_and_it_sums_to_zero():
     assert adv.tolist() == pytest.approx((group_advantages(rewards, 5, scale="none") * 5 / 4).tolist(), abs=1e-6)
 
 
-def test_batch_scale_divides_by_the_std_of_the_whole_batch():
+def naive_trl_batch_scale(rewards, G):
+    """TRL GRPOTrainer's scale_rewards="batch", one completion at a time: (r - its group's mean) / (the
+    unbiased std of every reward of the batch + 1e-4)."""
+    std = statistics.stdev(rewards)
+    return [(r - sum(rewards[i // G * G : i // G * G + G]) / G) / (std + 1e-4) for i, r in enumerate(rewards)]
+
+
+def test_batch_scale_is_trls_std_of_the_batchs_rewards():
     rewards = torch.tensor([1.0, 0, 0, 0, 3, 1, 2, 2])
-    centred = group_advantages(rewards, 4, scale="none")  # [.75 -.25 -.25 -.25 1 -1 0 0]
-    std = statistics.stdev(centred.tolist())
-    assert group_advantages(rewards, 4, scale="batch").tolist() == pytest.approx((centred / std).tolist())
-    # a group's own std no longer matters: the two groups' advantages keep their raw ratio
+    centred = [0.75, -0.25, -0.25, -0.25, 1, -1, 0, 0]
+    # by hand: mean 9/8, squared deviations sum to 71/8, unbiased variance 71/56; the std of the centred
+    # rewards (2.75/7) would give advantages 1.8x larger
+    std = math.sqrt(71 / 56)
     batch = group_advantages(rewards, 4, scale="batch")
+    assert batch.tolist() == pytest.approx([c / std for c in centred], abs=1e-6)
+    # a group's own std no longer matters: the two groups' advantages keep their raw ratio
     assert batch[4].item() / batch[0].item() == pytest.approx(1 / 0.75)
+    # TRL's formula, + 1e-4 where this floors the std: the same to within 1e-4 / std
+    g = torch.Generator().manual_seed(0)
+    for rewards in (torch.rand(6 * 4, generator=g), (torch.rand(5 * 8, generator=g) > 0.7).float()):
+        G = 4 if len(rewards) == 24 else 8
+        ours, trl = group_advantages(rewards, G, scale="batch"), naive_trl_batch_scale(rewards.tolist(), G)
+        assert ours.tolist() == pytest.approx(trl, rel=1e-4 / statistics.stdev(rewards.tolist()) + 1e-6, abs=1e-6)
+    # leave-one-out keeps its G / (G - 1) factor: the std is the rewards', not the advantages'
+    loo = group_advantages(rewards, 8, scale="batch", baseline="leave-one-out")
+    assert loo.tolist() == pytest.approx((group_advantages(rewards, 8, scale="batch") * 8 / 7).tolist(), abs=1e-6)
 
 
 def test_batch_std_over_two_ranks_is_the_one_process_std():
@@ -174,8 +193,7 @@ def test_batch_std_over_two_ranks_is_the_one_process_std():
     rewards = torch.tensor([1.0, 0, 0, 0, 3, 1, 2, 2, 5, 5, 0, 1])
     one = group_advantages(rewards, 4, scale="batch", baseline="leave-one-out")
     halves = rewards[:4], rewards[4:]
-    centred = [group_advantages(h, 4, scale="none", baseline="leave-one-out") for h in halves]
-    stats = [(c.numel(), c.sum().item(), (c.double() ** 2).sum().item()) for c in centred]
+    stats = [(h.numel(), h.sum().item(), (h.double() ** 2).sum().item()) for h in halves]  # each rank's rewards
     for rank in (0, 1):
         calls = iter(range(3))  # batch_std sums n, then sum, then sum of squares
 

@@ -157,13 +157,11 @@ def test_curriculum_buckets_and_moving_average():
 
 def test_curriculum_ramps_hard_share_then_samples_1_2_3():
     s = curriculum_with_history()
-    first = s.sample(6)
+    first = s.sample(6, step=0)
     assert not [i for i in first if i >= 20]  # hard weight is 0 at the start of the ramp
-    for _ in range(9):
-        s.sample(6)
     counts = collections.Counter()
-    for _ in range(2000):  # past the ramp: each draw picks a bucket 1:2:3
-        counts.update(s.bucket(i) for i in s.sample(1))
+    for _ in range(2000):  # past the ramp (10 steps): each draw picks a bucket 1:2:3
+        counts.update(s.bucket(i) for i in s.sample(1, step=10))
     total = sum(counts.values())
     assert counts[0] / total == pytest.approx(1 / 6, abs=0.03)
     assert counts[1] / total == pytest.approx(2 / 6, abs=0.03)
@@ -172,12 +170,28 @@ def test_curriculum_ramps_hard_share_then_samples_1_2_3():
 
 def test_curriculum_is_deterministic_and_resumable():
     a, b = curriculum_with_history(), curriculum_with_history()
-    assert [a.sample(5) for _ in range(3)] == [b.sample(5) for _ in range(3)]
+    assert [a.sample(5, step) for step in range(3)] == [b.sample(5, step) for step in range(3)]
     c = CurriculumSampler(30, seed=0, ramp_steps=10)
     c.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    assert [a.sample(5) for _ in range(5)] == [c.sample(5) for _ in range(5)]
-    batch = a.sample(30)
+    assert [a.sample(5, step) for step in range(3, 8)] == [c.sample(5, step) for step in range(3, 8)]
+    batch = a.sample(30, step=8)
     assert sorted(batch) == list(range(30))  # distinct within a call
+
+
+def test_curriculum_ramp_counts_training_steps_not_refill_draws():
+    """ramp_steps=10: one step that drew four times (three R7 refills) is still one step of the ramp: the hard
+    share of step 1's draws is that of a hard weight 3 * 0.1 against medium's 2 (13%), not 3 * 0.4's (38%).
+    A refill draws other prompts than the step's first draw; a resumed sampler draws the same ones."""
+    s = CurriculumSampler(2000, seed=0, ramp_steps=10)
+    s.update(range(1000, 2000), [0.0] * 1000)  # 0-999 never seen (medium), 1000-1999 hard
+    step0 = [s.sample(8, step=0) for _ in range(4)]
+    assert all(i < 1000 for draw in step0 for i in draw)  # the ramp starts at 0
+    assert len({i for draw in step0 for i in draw}) > 8  # each refill draws afresh
+    resumed = CurriculumSampler(2000, seed=0, ramp_steps=10)
+    resumed.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    draw = s.sample(400, step=1)
+    assert resumed.sample(400, step=1) == draw
+    assert 0.08 < sum(i >= 1000 for i in draw) / 400 < 0.2
 
 
 def test_an_exhausted_problem_space_fails_clearly():

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rewards import (
+    after_tool_outputs,
     code_reward,
     countdown_reward,
     extract_answer,
@@ -422,3 +423,20 @@ def test_last_number_reads_thousands_separators_whole():
     assert math_reward("The total is 1,234", "234", last_number=True)["correct"] == 0.0
     assert math_reward("so 12,345,678.5 in all", "12345678.5", last_number=True)["correct"] == 1.0
     assert math_reward("pick 3, 4", "4", last_number=True)["correct"] == 1.0  # a list is not a separator
+
+
+def test_after_tool_outputs_keeps_only_the_models_text_after_the_last_output():
+    from rollout import TOOL_OUTPUT
+
+    out = TOOL_OUTPUT.format("42")
+    assert out.startswith("\n<output>\n") and out.endswith("\n</output>\n")  # the tags it looks for
+    assert after_tool_outputs("no tool here: 7") == "no tool here: 7"
+    assert after_tool_outputs("a" + out + "b" + TOOL_OUTPUT.format("43") + "it is 43") == "\nit is 43"
+    assert after_tool_outputs("a" + out + "b\n<output>\n43") == ""  # the last output was cut: all the tool's
+    assert after_tool_outputs("<output>\n43") == ""
+    assert after_tool_outputs("<think>a" + out + "then 42") == "<think>\nthen 42"  # still thinking
+    assert after_tool_outputs("<think>a</think>" + out + "42") == "\n42"
+    assert math_reward("<think>" + out + "</think><answer>42</answer>", "42", tools=True)["correct"] == 1.0
+    assert math_reward("<think>" + out + "</think><answer>41</answer>", "42", tools=True)["correct"] == 0.0
+    assert math_reward("<answer>42</answer>" + out + "41", "42", True, tools=True)["correct"] == 0.0
+    assert math_reward("<answer>42</answer>" + out + "41", "42", True)["correct"] == 1.0  # tools off

@@ -42,8 +42,9 @@ def trainer_gap(policy, cfg, groups):
 
 
 def sample(engine, prompts, temperature=TEMPERATURE, n=4):
-    return engine.generate(prompts, n, seeds=list(range(len(prompts))), temperature=temperature, top_p=1.0, top_k=-1,
-                           max_tokens=24)
+    # row j of prompt i seeded i + j: fixed samples that the bounds below were set on
+    seeds = [i + j for i in range(len(prompts)) for j in range(n)]
+    return engine.generate(prompts, n, seeds=seeds, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=24)
 
 
 def perturb(policy, scale):
@@ -279,7 +280,7 @@ def test_hf_engine_stops_on_every_eos_the_model_lists(tiny, tmp_path):
 VLLM_SCRIPT = """
 import json, sys
 from config import load_config
-from grpo import sampling_seeds
+from grpo import row_seeds
 from rollout import VLLMEngine
 cfg = load_config(overrides=["--model=tiny", "--dtype=float32", "--max_prompt_len=64", "--max_completion_len=24",
                              "--micro_batch_tokens=256", "--seed=0"])
@@ -288,7 +289,7 @@ prompts = json.loads(sys.argv[2])
 def ids(seeds, temperature=1.0, n=4):
     groups = engine.generate(prompts, n, seeds=seeds, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=24)
     return [[c.completion_ids for c in g] for g in groups]
-rank0, rank1 = sampling_seeds(cfg, 3, 0, 2), sampling_seeds(cfg, 3, 2, 2)  # two ranks' prompts of one step
+rank0, rank1 = row_seeds((0, "train", 3), 0, 2, 4), row_seeds((0, "train", 3), 2, 2, 4)  # two ranks' rows
 print("RESULT " + json.dumps({"rank0": ids(rank0), "rank1": ids(rank1), "rank0_again": ids(rank0),
                               "greedy": ids([0, 0], temperature=0.0, n=1), "stop": engine.stop}))
 """
@@ -323,23 +324,26 @@ def test_vllm_seeds_survive_a_fresh_engine_and_stops_match_the_hf_engine(tiny, t
 
 
 def test_hf_engine_batches_prompts_yet_each_row_follows_its_own_seed(tiny):
-    """Every prompt of a call in one left-padded batch, yet row j of a prompt is drawn from seed + j alone: two
-    ranks' halves sampled apart give one process's samples, a fresh engine the same ones, other seeds others."""
-    from grpo import sampling_seeds
+    """Every prompt of a call in one left-padded batch, yet each row is drawn from its own seed alone: two
+    ranks' halves sampled apart give one process's samples, a fresh engine the same ones, other seeds others,
+    and a row moved to another place in the call (other seeds around it) keeps its sample."""
+    from grpo import row_seeds
 
     cfg, _, tokenizer, policy, prompts = tiny
     assert len(prompts[0]) != len(prompts[1])  # the batch is padded
 
-    def ids(engine, ps, seeds):
-        groups = engine.generate(ps, 3, seeds=seeds, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=24)
+    def ids(engine, ps, seeds, n=3):
+        groups = engine.generate(ps, n, seeds=seeds, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=24)
         return [[c.completion_ids for c in g] for g in groups]
 
-    engine, seeds = HFEngine(policy, tokenizer), sampling_seeds(cfg, 3, 0, 2)
+    engine, seeds = HFEngine(policy, tokenizer), row_seeds((0, "train", 3), 0, 2, 3)
     both = ids(engine, prompts, seeds)
-    assert both == ids(engine, prompts[:1], seeds[:1]) + ids(engine, prompts[1:], seeds[1:])  # 1 rank == 2 ranks
+    assert both == ids(engine, prompts[:1], seeds[:3]) + ids(engine, prompts[1:], seeds[3:])  # 1 rank == 2 ranks
     assert both == ids(HFEngine(policy, tokenizer), prompts, seeds)  # a fresh engine (a resumed run)
     assert both != ids(engine, prompts, [s + 100 for s in seeds])
     assert len({tuple(row) for row in both[0]}) > 1  # a group's rows are not copies of each other
+    # row 2 of prompt 1 alone, as row 0 of a one-row call: the same sample from the same seed
+    assert ids(engine, prompts[1:], seeds[5:], n=1) == [[both[1][2]]]
 
 
 def test_sample_next_draws_each_token_with_its_probability():
@@ -376,3 +380,42 @@ def test_sample_next_keeps_top_k_and_top_p_and_renormalises():
     tokens, logprobs = sample_next(logits[:2], 0.0, 1.0, -1, generators[:2])
     assert tokens.tolist() == [3, 3] and logprobs is None  # temperature 0: greedy
 
+
+
+class FakeLLM:
+    """vLLM's LLM.generate as the engine calls it: each sample's one token is its seed (or -1 without one)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, requests, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        self.calls.append([(r["prompt_token_ids"], p.n, p.seed, p.max_tokens) for r, p in zip(requests, params)])
+        return [SimpleNamespace(prompt_token_ids=r["prompt_token_ids"], outputs=[
+            SimpleNamespace(token_ids=[p.seed if p.seed is not None else -1], logprobs=None, finish_reason="stop",
+                            stop_reason=None) for _ in range(p.n)]) for r, p in zip(requests, params)]
+
+
+@requires_vllm
+def test_vllm_on_a_gpu_asks_for_each_row_with_its_own_seed(tiny):
+    """On a GPU each row is a request of its own with its seed (vLLM's n samples of one request would get
+    seed, seed + 1, ...); the rows come back n per prompt in order. On a CPU: one request of n per prompt,
+    the call seeded from its first row's seed."""
+    from types import SimpleNamespace
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no engine start: the request plumbing only
+    engine.llm, engine.group, engine.stop = FakeLLM(), None, [0]
+    engine.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: str(ids))
+    engine.per_request_seed = True
+    groups = engine.generate([[1, 2], [3]], 2, seeds=[101, 102, 103, 104], temperature=1.0, top_p=1.0, top_k=-1,
+                             max_tokens=[5, 6])
+    assert engine.llm.calls[-1] == [([1, 2], 1, 101, 5), ([1, 2], 1, 102, 5), ([3], 1, 103, 6), ([3], 1, 104, 6)]
+    assert [[(c.prompt_ids, c.completion_ids) for c in g] for g in groups] == [
+        [([1, 2], [101]), ([1, 2], [102])], [([3], [103]), ([3], [104])]]
+    engine.per_request_seed = False
+    groups = engine.generate([[1, 2], [3]], 2, seeds=[101, 102, 103, 104], temperature=1.0, top_p=1.0, top_k=-1,
+                             max_tokens=8)
+    assert engine.llm.calls[-1] == [([1, 2], 2, None, 8), ([3], 2, None, 8)]
+    assert [[c.prompt_ids for c in g] for g in groups] == [[[1, 2], [1, 2]], [[3], [3]]]
+    assert torch.initial_seed() == 101  # the CPU path seeded torch's generator from the first row's seed

@@ -393,3 +393,30 @@ def test_the_code_task_runs_end_to_end_through_the_sandbox(tmp_path):
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert all(m["acc"] == pytest.approx(0.25) and m["reward/parsed"] == pytest.approx(0.25) for m in metrics)
     assert all(m["reward/errors"] == 0 for m in metrics) and metrics[-1]["eval/pass@1_greedy"] == 1.0
+
+
+# ---------------------------------------------------------------- offline replay (W5)
+
+
+def test_replay_counts_and_prints_each_planted_disagreement(tmp_path, capsys):
+    """Three saved rollouts re-scored through the run's task and shaping: the untouched one agrees; a stored
+    component and a stored reward planted wrong are each one disagreement, printed with its line."""
+    from config import save_config
+
+    cfg, task = setup(f"--task={ROOT}/tasks/larger.py")
+    save_config(cfg, tmp_path / "config.json")
+    p = {"id": "x", "a": 37, "b": 52}
+    texts = ["52", "37", "Comparing the hundreds, then the tens: it is 52"]
+    rewards, comps = score(task, texts, [p] * 3, [1, 1, 12], cfg)
+    records = [{"step": 0, "problem": p, "completion": t, "reward": rewards[i].item(), "length": [1, 1, 12][i],
+                "components": {k: v[i].item() for k, v in comps.items()}} for i, t in enumerate(texts)]
+    records[1]["components"]["correct"] = 1.0  # "37" is wrong: the task re-scores it 0
+    records[2]["reward"] = 0.5  # re-scored: correct 1 + brief 0
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert replay(str(path)) == 2
+    out = capsys.readouterr().out
+    assert "line 2: correct stored 1.0 != re-scored 0.0" in out
+    assert "line 3: reward stored 0.5 != re-scored 1.0" in out
+    assert "line 1:" not in out and f"replayed 3 rollouts from {path}: 2 disagreements" in out
+    assert records[0]["components"]["correct"] == 1.0 and records[0]["reward"] == pytest.approx(1.1)

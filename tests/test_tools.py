@@ -14,7 +14,7 @@ from grpo import forward_logprobs, pad_batch
 from loss import grpo_loss
 from model import build_tiny, load_policy
 from rewards import code_reward, run_python
-from rollout import TOOL_OUTPUT, Completion, ToolEngine
+from rollout import TOOL_OUTPUT, Completion, ToolEngine, turn_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,7 +77,21 @@ def test_a_call_runs_and_the_trainer_sees_exactly_the_sampled_and_the_output_ids
     assert calls[0]["stop"] == ["</python>"] and calls[1]["stop"] == ["</python>"]  # turn 2 may call again
     assert calls[1]["prompts"] == [prompt + first + output]  # the context goes back as ids
     assert calls[1]["max_tokens"] == [64 - len(first) - len(output)]  # one budget for all turns
-    assert calls[0]["seeds"] != calls[1]["seeds"]
+    assert calls[0]["seeds"] == [5] and calls[1]["seeds"] == [turn_seed(5, 1)] != [5]  # each turn its own draw
+
+
+def test_each_row_keeps_its_own_seed_through_the_turns(tiny):
+    """Two prompts x n = 2: the engine gets one seed per row, the row's own on the first turn, then a seed of
+    the row and the turn; a row that did not call has no second turn."""
+    _, tokenizer, _ = tiny
+    engine = ToolEngine(ScriptedEngine(tokenizer, ["<python>print(1)</python>", " done"]), tokenizer, 2, run_python)
+    groups = engine.generate([[1, 2], [3]], 2, seeds=[11, 12, 13, 14], temperature=0.7, top_p=1.0, top_k=-1,
+                             max_tokens=64)
+    assert [len(g) for g in groups] == [2, 2] and all(c.tool_calls == 1 for g in groups for c in g)
+    calls = engine.engine.calls
+    assert calls[0]["seeds"] == [11, 12, 13, 14]
+    assert calls[1]["seeds"] == [turn_seed(s, 1) for s in (11, 12, 13, 14)]
+    assert len(set(calls[1]["seeds"]) | {11, 12, 13, 14}) == 8
 
 
 def test_max_tool_calls_the_budget_and_malformed_calls(tiny):
@@ -89,11 +103,12 @@ def test_max_tool_calls_the_budget_and_malformed_calls(tiny):
     c = generate(engine, prompt)
     assert c.tool_calls == 1 and engine.engine.calls[1]["stop"] is None and len(engine.engine.calls) == 2
     assert c.text.endswith("<python>print(2)</python>")
-    # a budget that ends inside the tool's output: the output is cut, the completion is truncated, no next turn
+    # a budget that ends before even the empty output block fits: nothing is appended (an output is never left
+    # without its closing tag), the completion is truncated, no next turn
     first = len(encode(tokenizer, calls[0]))
     engine = ToolEngine(ScriptedEngine(tokenizer, calls), tokenizer, max_calls=2, run=run_python)
     c = generate(engine, prompt, max_tokens=first + 3)
-    assert len(c.completion_ids) == first + 3 and c.mask == [1] * first + [0] * 3 and c.truncated
+    assert len(c.completion_ids) == first and c.mask == [1] * first and c.truncated and c.tool_calls == 1
     assert len(engine.engine.calls) == 1
     # an unclosed call at the length limit is text: nothing runs
     engine = ToolEngine(ScriptedEngine(tokenizer, ["<python>print(1) and on and on"]), tokenizer, 2, run_python)
@@ -105,6 +120,22 @@ def test_max_tool_calls_the_budget_and_malformed_calls(tiny):
                         run=lambda code: ran.append(code) or ("", True))
     c = generate(engine, prompt)
     assert not ran and (c.tool_calls, c.tool_errors) == (1, 1) and "error: no <python> before </python>" in c.text
+
+
+def test_an_output_past_the_budget_is_cut_inside_its_tags(tiny):
+    """A long output with room for part of it: the block keeps both tags around the output's first part, fills
+    the budget, the completion is truncated and no turn follows; the reward cannot read the tool's text."""
+    _, tokenizer, _ = tiny
+    script = ["<python>print(*range(100))</python>", " never"]
+    first = len(encode(tokenizer, script[0]))
+    frame = len(encode(tokenizer, TOOL_OUTPUT.format("")))
+    engine = ToolEngine(ScriptedEngine(tokenizer, script), tokenizer, 2, run_python)
+    c = generate(engine, encode(tokenizer, "Go"), max_tokens=first + frame + 10)
+    tool = tokenizer.decode(c.completion_ids[first:])
+    assert tool.startswith("\n<output>\n0 1 2") and tool.endswith("\n</output>\n") and "99" not in tool
+    assert first + frame < len(c.completion_ids) <= first + frame + 10
+    assert c.mask == [1] * first + [0] * (len(c.completion_ids) - first) and c.truncated
+    assert len(engine.engine.calls) == 1 and c.text.endswith("</output>\n")
 
 
 def test_greedy_tool_rollouts_have_no_logprobs(tiny):
@@ -227,6 +258,30 @@ def test_the_multiply_task_judges_the_models_own_last_number():
     assert task.reward(call, p)["correct"] == 0.0  # the answer only in the tool's output: not the model's
     assert task.reward(call + "The answer is 47216.", p)["correct"] == 0.0
     assert task.reward("The answer is 47215.", p)["correct"] == 1.0  # in its head is fine too, if right
+    assert task.reward(call[: call.index("</output>")], p)["correct"] == 0.0  # an output cut short: the tool's
+
+
+def test_with_tools_the_math_task_judges_only_the_models_text_after_the_last_output():
+    """The tool's output may hold the right number, box or tag; only what the model wrote after it counts.
+    Without tools, math judges the whole completion as before."""
+    from task import load_task
+
+    task = load_task(load_config(overrides=["--task=math", "--tools=true"]))
+    p = {"question": "What is 2 + 3?", "answer": "5"}
+    call = "<think>```python\nprint(2 + 3)\n```\n<output>\n5\n</output>\n"
+    for tool_text in ("5", "\\boxed{5}", "<answer>5</answer>", "</think><answer>\\boxed{5}</answer>"):
+        cut = "<think>```python\nprint(2 + 3)\n```\n<output>\n" + tool_text  # cut before its closing tag
+        closed = cut + "\n</output>\n"
+        assert task.reward(cut, p)["correct"] == 0.0, tool_text
+        assert task.reward(closed, p)["correct"] == 0.0, tool_text  # the model wrote no answer of its own
+    assert task.reward(call + "so 5</think><answer>\\boxed{5}</answer>", p) == {"format": 1.0, "parsed": 1.0,
+                                                                               "correct": 1.0}
+    assert task.reward(call + "<answer>\\boxed{5}</answer>", p)["correct"] == 0.0  # inside the open think
+    unthought = call[len("<think>") :]
+    assert task.reward(unthought + "it is 5", p)["correct"] == 1.0  # math_last_number: the model's own number
+    assert task.reward(unthought + "it is 6", p)["correct"] == 0.0
+    plain = load_task(load_config(overrides=["--task=math"]))
+    assert plain.reward(unthought, p)["correct"] == 1.0  # tools off: the last number anywhere, as always
 
 
 @pytest.mark.parametrize("overrides, message", [
