@@ -234,13 +234,16 @@ class HFEngine:
             mask[r, P - len(prompt) :] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         generators = [torch.Generator(device).manual_seed(seed) for _, seed, _ in rows]
-        budgets = [m for _, _, m in rows]
+        budgets = [m for _, _, m in rows]  # each row ends at its own budget (_ended)
+        # under synced_gpus every forward is a collective: a rank loops as long as the longest budget of any rank
+        # (its own rows done, it feeds padding), or the ranks would call different collectives and hang
+        steps = int(parallel.all_max(max(budgets))) if self.synced_gpus else max(budgets)
         cache, done, logprobs = DynamicCache(), torch.zeros(R, dtype=torch.bool, device=device), []
         tokens = [[] for _ in rows]  # each row's sampled tokens, up to its end
         # one autocast region around the whole loop: each fp32 master weight is cast to bf16 once per call (autocast
         # caches casts of leaf weights until its outermost region ends), not once per token
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            for k in tqdm(range(max(budgets)), desc="generate", disable=not progress, leave=False):
+            for k in tqdm(range(steps), desc="generate", disable=not progress, leave=False):
                 logits = self.policy(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                      use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (R, V)
                 token, logp = sample_next(logits, temperature, top_p, top_k, generators)
