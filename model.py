@@ -154,6 +154,7 @@ def load_policy(cfg, path, device, adapter=None):
         tokenizer.pad_token = tokenizer.eos_token
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     disable_dropout(policy)
+    sdpa_off_cudnn(device)
     if torch.device(device).type == "cpu":
         grouped_heads_on_cpu(policy)
     if cfg.gradient_checkpointing:
@@ -168,6 +169,15 @@ def load_policy(cfg, path, device, adapter=None):
             lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules="all-linear")
             policy = get_peft_model(policy, lora)
     return tokenizer, policy
+
+
+def sdpa_off_cudnn(device):
+    """On CUDA, keep PyTorch's SDPA off its cuDNN backend (the other backends stay): with a mask, a key length of
+    64 mod 128 and a very negative logsumexp, cuDNN's backward returns NaN on H100/H200 (pytorch issue 196678, since
+    torch 2.11; Qwen2.5's heads hit it). The trainer passes masks in padded rows and in both shared-prompt passes,
+    and vLLM pins a torch without the fix. The setting is process-wide: the reference model gets it too."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):

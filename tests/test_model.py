@@ -266,3 +266,28 @@ def test_fused_head_is_refused_for_models_with_transformed_logits(tiny):
     assert fused_head_unsupported(model) is None
     model.config.final_logit_softcapping = 30.0  # Gemma 2 caps the logits after the head
     assert "final_logit_softcapping" in fused_head_unsupported(model)
+
+
+def test_sdpa_stays_off_cudnn_where_models_are_built_on_cuda(tiny, monkeypatch):
+    """cuDNN's SDPA backward gives NaN with a mask on H100/H200 (pytorch issue 196678): on CUDA the trainer's
+    models keep PyTorch's SDPA off that backend; elsewhere nothing changes. The flag is process-wide."""
+    import model
+    from model import sdpa_off_cudnn
+
+    asked = []
+    monkeypatch.setattr(model, "sdpa_off_cudnn", asked.append)
+    load_policy(tiny[0], tiny[1], "cpu")
+    assert asked == ["cpu"]  # the policy's loader settles it for its device
+    monkeypatch.undo()
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        sdpa_off_cudnn("cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        for device in ("cuda", "cuda:1"):  # one GPU, or a rank's own under torchrun
+            torch.backends.cuda.enable_cudnn_sdp(True)
+            sdpa_off_cudnn(device)
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
