@@ -365,6 +365,33 @@ def split_shared_prompts(ids, attention, prompt_lens, groups):
     return prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of
 
 
+def self_attending_mask(model, mask):
+    """The (b, T) 0/1 mask of a left-padded pass with nothing cached before it, as the (b, 1, T, T) causal mask the
+    model's attention takes, except that a padding query attends to its own key: no query row is fully masked.
+
+    transformers 5 hands a padding query that may attend no key to the kernel as it is: CPU kernels give 0 there,
+    some CUDA kernels NaN, and in the next layer a real query's weight 0 on that padding value makes 0 x NaN = NaN.
+    A real query never attends a padding key either way, so its output is exactly the plain mask's.
+    The mask is bool for sdpa (and sdpa_gqa), additive float for eager; flash-attention takes the 2D mask (it drops
+    padding queries), as does any other implementation, and so does a batch without padding (the causal kernel).
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+    model = getattr(model, "module", model)  # DDP's wrapper
+    kind = ALL_MASK_ATTENTION_FUNCTIONS.get(model.config._attn_implementation)
+    if kind not in (sdpa_mask, eager_mask) or bool(mask.all()):
+        return mask
+    T = mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+    allowed = causal & mask.bool()[:, None, None, :]  # (b, 1, T, T): query t attends keys <= t that are tokens
+    allowed |= torch.eye(T, dtype=torch.bool, device=mask.device)  # and every query its own key
+    if kind is eager_mask:  # added to the scores: 0 where attended, the dtype's lowest elsewhere, as transformers'
+        dtype = model.get_input_embeddings().weight.dtype
+        scores = torch.zeros(allowed.shape, dtype=dtype, device=mask.device)
+        return scores.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return allowed
+
+
 def tail_runs(tails, split=True):
     """The completion pass's rows (indices into tails) in runs of similar length, each run padded only to its own
     longest: sorted longest first, a run ends before the first row at most half as long as the run's longest, so
@@ -403,7 +430,8 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
         if P > 0:
             cache = PromptCache()
             positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-            out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+            attend = self_attending_mask(model, prompt_mask)  # left padding: no fully masked query row
+            out = model(input_ids=prompt_ids, attention_mask=attend, position_ids=positions,
                         past_key_values=cache, use_cache=False, logits_to_keep=1)  # only the keys and values are wanted
             # FSDP2 gathers a layer's weights for backward when the gradient of the layer's output arrives; the
             # prompt's keys and values bypass the outputs, so the pass's output joins the result with weight 0

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 import parallel
+from model import self_attending_mask
 
 
 @dataclass
@@ -244,8 +245,11 @@ class HFEngine:
         # caches casts of leaf weights until its outermost region ends), not once per token
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
             for k in tqdm(range(steps), desc="generate", disable=not progress, leave=False):
-                logits = self.policy(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                     use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (R, V)
+                # the prefill's padding queries attend to themselves (no fully masked row); the steps after it add
+                # one real query per row, which attends to itself anyway
+                attend = self_attending_mask(self.policy, mask) if k == 0 else mask
+                logits = self.policy(input_ids=ids, attention_mask=attend, position_ids=positions,
+                                     past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
                 token, logp = sample_next(logits, temperature, top_p, top_k, generators)
                 token = torch.where(done, pad, token)  # a stopped row is fed padding, and keeps it
                 logprobs.append(logp)
