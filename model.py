@@ -148,7 +148,11 @@ def hub_reachable(timeout=3.0):
 def load_policy(cfg, path, device, adapter=None):
     """(tokenizer, policy) in fp32 on `device`; LoRA-wrapped when cfg.lora_rank > 0 (O5)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
+    hook = hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")  # what checkpoint_with_cache sets
+    if cfg.gradient_checkpointing and cfg.shared_prompt and not hook:
+        raise ConfigError(f"gradient_checkpointing with shared_prompt {CHECKPOINT_CACHE_HINT}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -331,11 +335,24 @@ class SharedPromptCache(DynamicCache):
         return torch.cat([layer.keys, key_states], -2), torch.cat([layer.values, value_states], -2)
 
 
+# transformers drops a checkpointed layer's past_key_values unless the layer says it may keep them; that switch
+# (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in 5.16.1
+CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.16.1 (pip install -U 'transformers>=5.16.1'), or set "
+                         "--gradient_checkpointing=false or --shared_prompt=false")
+
+
 @contextlib.contextmanager
 def checkpoint_with_cache(model):
     """Let checkpointed decoder layers keep a cache argument: ours are read-only or keep-once, so the replay in
-    backward reads the same keys and values (transformers drops past_key_values under checkpointing otherwise)."""
-    layers = [m for m in model.modules() if hasattr(type(m), "_can_checkpoint_with_cache")]
+    backward reads the same keys and values (transformers drops past_key_values under checkpointing otherwise).
+    A checkpointed layer without the switch would silently attend to its own rows only: that is an error."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    old = [m for m in layers if m.gradient_checkpointing and not hasattr(type(m), "_can_checkpoint_with_cache")]
+    if old:
+        raise RuntimeError(f"gradient checkpointing with each prompt once (shared_prompt) {CHECKPOINT_CACHE_HINT}: "
+                           f"{type(old[0]).__name__} cannot keep its cache argument in this transformers")
     for layer in layers:
         layer._can_checkpoint_with_cache = True
     try:
