@@ -336,8 +336,8 @@ class SharedPromptCache(DynamicCache):
 
 
 # transformers drops a checkpointed layer's past_key_values unless the layer says it may keep them; that switch
-# (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in 5.16.1
-CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.16.1 (pip install -U 'transformers>=5.16.1'), or set "
+# (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in 5.15.0 (5.14.1 lacks it)
+CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.15.0 (pip install -U 'transformers>=5.15.0'), or set "
                          "--gradient_checkpointing=false or --shared_prompt=false")
 
 

@@ -383,7 +383,7 @@ def test_sdpa_stays_off_cudnn_where_models_are_built_on_cuda(tiny, monkeypatch):
 
 
 def test_checkpointing_with_shared_prompts_fails_loudly_without_transformers_cache_switch(tiny, monkeypatch):
-    """Before transformers 5.16.1 a checkpointed decoder layer has no _can_checkpoint_with_cache and drops its cache
+    """Before transformers 5.15.0 a checkpointed decoder layer has no _can_checkpoint_with_cache and drops its cache
     argument: the completion pass would silently attend to its own tokens only. That is an error, named."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -393,20 +393,20 @@ def test_checkpointing_with_shared_prompts_fails_loudly_without_transformers_cac
     cfg, path = tiny
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
     ids, attention, _, prompt_lens, groups = grouped_rows(model.config.vocab_size)
-    def old_call(layer, *args, **kwargs):  # transformers 5.16.0: a checkpointed layer always drops its cache
+    def old_call(layer, *args, **kwargs):  # transformers 5.14.1: a checkpointed layer always drops its cache
         if layer.gradient_checkpointing and layer.training:
             kwargs["past_key_values"] = None
             return layer._gradient_checkpointing_func(functools.partial(torch.nn.Module.__call__, layer, **kwargs),
                                                       *args)
         return torch.nn.Module.__call__(layer, *args, **kwargs)
 
-    monkeypatch.delattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")  # the layer class of 5.16.0
+    monkeypatch.delattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")  # the layer class of 5.14.1
     monkeypatch.setattr(GradientCheckpointingLayer, "__call__", old_call)
     shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 1.0, False)  # no checkpointing: no need
     model.gradient_checkpointing_enable()
-    with pytest.raises(RuntimeError, match=r"transformers >= 5.16.1.*LlamaDecoderLayer cannot keep its cache"):
+    with pytest.raises(RuntimeError, match=r"transformers >= 5.15.0.*LlamaDecoderLayer cannot keep its cache"):
         shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 1.0, False)
-    with pytest.raises(ConfigError, match=r"gradient_checkpointing with shared_prompt needs transformers >= 5.16.1"):
+    with pytest.raises(ConfigError, match=r"gradient_checkpointing with shared_prompt needs transformers >= 5.15.0"):
         load_policy(load_config(overrides=["--gradient_checkpointing=true"]), "/no/such/model", "cpu")  # before it
     load_policy(load_config(overrides=["--gradient_checkpointing=true", "--shared_prompt=false"]), path, "cpu")
     monkeypatch.undo()
