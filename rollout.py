@@ -68,6 +68,21 @@ def vllm_available():
     return importlib.util.find_spec("vllm") is not None
 
 
+def auto_engine():
+    """engine=auto: "vllm" if vLLM imports here, else "hf", saying why (once, from rank 0). An installed vLLM can
+    still fail to import (a CUDA library or torch it was not built for): the error's first line is the reason."""
+    why = None if vllm_available() else "vLLM is not installed"
+    if why is None:
+        try:
+            import vllm  # noqa: F401
+        except Exception as e:  # not only ImportError: a broken install raises what it raises
+            first = (str(e).splitlines() or [""])[0]
+            why = f"vLLM is installed but does not import ({type(e).__name__}: {first}; --engine=vllm shows it all)"
+    if why and parallel.rank() == 0:
+        print(f"engine=auto: {why}; sampling with the HF engine")
+    return "hf" if why else "vllm"
+
+
 class VLLMEngine:
     """A colocated vLLM engine in-process, woken and given the policy's weights before every generation (R1, R2)."""
 
