@@ -980,7 +980,7 @@ def main(argv, wrap_engine=lambda engine: engine):
     state = TrainState(beta=cfg.beta, run_id=f"{random.Random().getrandbits(64):016x}")
     if resume_from:
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
-    engine_name = auto_engine() if cfg.engine == "auto" else cfg.engine  # auto: vLLM if it imports, else HF
+    engine_name = auto_engine() if cfg.engine == "auto" else cfg.engine  # auto: vLLM if it imports
     synced = parallel.world() > 1 and cfg.parallel == "fsdp"  # FSDP2: every rank steps until the slowest is done
     if engine_name == "vllm":
         engine = VLLMEngine(path, cfg, device)

@@ -121,12 +121,14 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
 
 
 def _add_weight_grad(grad_weight, g, h):
-    """grad_weight (V, H) += g^T h for one chunk, g (c, V) and h (c, H) in the compute dtype, in place: no (V, H)
-    temporary per chunk (at V = 152k, H = 2048 a bf16 product and its fp32 copy would be 1.7 GiB a chunk).
+    """grad_weight (V, H) += g^T h for one chunk, g (c, V) and h (c, H) in the compute dtype, in
+    place: no (V, H) temporary per chunk (at V = 152k, H = 2048 a bf16 product and its fp32 copy
+    would take 1.7 GiB a chunk).
 
-    fp32 (or fp64) compute: addmm_ in place. bf16 compute, fp32 gradient: on CUDA cuBLAS multiplies the bf16
-    operands and adds into the fp32 gradient itself (addmm with out_dtype); CPU kernels lack that mixed-dtype
-    call, so there the bf16 operands are widened to fp32 first, one (c, V) chunk, and multiplied exactly.
+    fp32 (or fp64) compute: addmm_ in place. bf16 compute into an fp32 gradient: on CUDA, cuBLAS
+    multiplies the bf16 operands and adds into the fp32 gradient itself (addmm with out_dtype);
+    CPU kernels lack that mixed-dtype call, so there the bf16 operands are widened to fp32 first
+    (one (c, V) chunk) and multiplied exactly.
     """
     if grad_weight.dtype == g.dtype:
         grad_weight.addmm_(g.T, h)
@@ -203,10 +205,11 @@ def linear_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, bias=No
     return logp.view(B, T), entropy.view(B, T)
 
 
-# logits per chunk of the fused head, by device type. A chunk's backward reads and writes the whole (V, H) fp32
-# weight gradient: on a GPU, at 2^24 logits (110 positions at V = 152k) that traffic takes ~5x the chunk's matmul,
-# at 2^27 (880 positions) about as long, and the chunk's few (c, V) fp32 buffers (512 MiB each) are small beside
-# GPU memory. On a CPU, 2^24 (64 MiB of fp32) keeps them small beside the hidden states.
+# Logits per chunk of the fused head, by device type. Each chunk's backward reads and writes the
+# whole (V, H) fp32 weight gradient: on an H200 at 2^24 logits (110 positions at V = 152k) that
+# traffic takes ~5x as long as the chunk's weight-gradient matmul, at 2^27 (880 positions) about
+# as long, and the chunk's few (c, V) fp32 buffers (512 MiB each) are small beside GPU memory.
+# On a CPU, 2^24 (64 MiB of fp32) keeps them small beside the hidden states.
 HEAD_CHUNK_LOGITS = {"cuda": 2**27}
 HEAD_CHUNK_LOGITS_DEFAULT = 2**24
 

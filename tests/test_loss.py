@@ -124,8 +124,8 @@ def test_linear_logprobs_under_bf16_autocast_match_bf16_logits():
     assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
 
 def weight_sized_tensors_made(fn, V, H):
-    """How many new tensors of at least V * H elements the ops run by fn() make (views, in-place and out= ops make
-    none)."""
+    """How many new tensors of at least V * H elements the ops run by fn() make (views, in-place
+    and out= ops make none)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     made = []
@@ -145,9 +145,9 @@ def weight_sized_tensors_made(fn, V, H):
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_fused_head_backward_makes_no_weight_sized_tensor_per_chunk(autocast):
-    """The weight gradient is summed in place chunk by chunk: backward makes the same few (V, H) tensors (the
-    gradient, and under bf16 autocast the weight's bf16 copy) for 2 chunks as for 12, and the gradient is the
-    bf16 product summed in fp32."""
+    """The weight gradient is summed in place chunk by chunk: backward makes the same few (V, H)
+    tensors (the gradient, and under bf16 autocast the weight's bf16 copy) for 1 chunk as for 12,
+    and the gradient is the bf16 product summed in fp32."""
     torch.manual_seed(4)
     V, H = 40, 24
     h, w = torch.randn(1, 12, H), torch.randn(V, H, requires_grad=True)
@@ -171,7 +171,8 @@ def test_fused_head_backward_makes_no_weight_sized_tensor_per_chunk(autocast):
 
 
 def test_fused_head_chunk_is_sized_for_the_device(monkeypatch):
-    """2^24 logits per chunk on a CPU (110 positions at Qwen2.5's 152k vocabulary), 2^27 on CUDA (883), at least 1."""
+    """2^24 logits a chunk on a CPU (110 positions at Qwen2.5's 152k vocabulary), 2^27 on CUDA
+    (883), at least one position."""
     import loss
     from loss import head_chunk
 
@@ -179,8 +180,10 @@ def test_fused_head_chunk_is_sized_for_the_device(monkeypatch):
     assert head_chunk("cuda", 2**28) == 1 and head_chunk("mps", 2**20) == 16
     chunks = []
     apply = loss._LinearLogprobsEntropy.apply
-    monkeypatch.setattr(loss._LinearLogprobsEntropy, "apply", lambda *a: chunks.append(a[5]) or apply(*a))
-    linear_logprobs_and_entropy(torch.randn(1, 3, 8), torch.randn(2**20, 8), torch.zeros(1, 3, dtype=torch.long))
+    spy = lambda *args: chunks.append(args[5]) or apply(*args)  # noqa: E731
+    monkeypatch.setattr(loss._LinearLogprobsEntropy, "apply", spy)
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    linear_logprobs_and_entropy(torch.randn(1, 3, 8), torch.randn(2**20, 8), tokens)
     assert chunks == [16]  # a CPU tensor: the CPU's size
 
 

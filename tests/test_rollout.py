@@ -381,8 +381,9 @@ def test_sample_next_keeps_top_k_and_top_p_and_renormalises():
 
 
 def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
-    """engine=auto takes vLLM when it imports; an installed vLLM that fails to import (a CUDA library missing) gives
-    the HF engine and one line with the error's first line; without vLLM, one line saying it is not installed."""
+    """engine=auto takes vLLM when it imports; an installed vLLM that fails to import (a missing
+    CUDA library) gives the HF engine and one line with the error's first line; without vLLM, one
+    line saying it is not installed."""
     import builtins
 
     import rollout
@@ -391,19 +392,20 @@ def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
 
     def broken(name, *args, **kwargs):
         if name == "vllm":
-            raise ImportError("libcudart.so.12: cannot open shared object file\nTraceback detail nobody needs")
+            raise ImportError("libcudart.so.12: cannot open shared object file\nmore detail")
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(rollout, "vllm_available", lambda: True)  # the package is there
     monkeypatch.setattr(builtins, "__import__", broken)
     assert rollout.auto_engine() == "hf"
-    out = capsys.readouterr().out
-    assert out == ("engine=auto: vLLM is installed but does not import (ImportError: libcudart.so.12: cannot open "
-                   "shared object file; --engine=vllm shows it all); sampling with the HF engine\n")
+    assert capsys.readouterr().out == (
+        "engine=auto: vLLM is installed but does not import (ImportError: libcudart.so.12: cannot "
+        "open shared object file; --engine=vllm shows it all); sampling with the HF engine\n")
     monkeypatch.setattr(builtins, "__import__", real_import)
     monkeypatch.setattr(rollout, "vllm_available", lambda: False)
     assert rollout.auto_engine() == "hf"
-    assert capsys.readouterr().out == "engine=auto: vLLM is not installed; sampling with the HF engine\n"
+    out = capsys.readouterr().out
+    assert out == "engine=auto: vLLM is not installed; sampling with the HF engine\n"
     monkeypatch.setattr(rollout, "vllm_available", lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # one that imports
     assert rollout.auto_engine() == "vllm" and capsys.readouterr().out == ""
