@@ -1,5 +1,7 @@
-"""What only a GPU shows: SDPA's kernels, the trainer's passes and the fused head on CUDA, one real-shape
-3B update against pre-flight, and the vLLM engine on the device.   pytest -m gpu tests/test_gpu.py
+"""What only a GPU shows: SDPA's kernels, the trainer's passes and the fused head on CUDA, one
+real-shape 3B update against pre-flight, the vLLM engine on the device.
+
+    pytest -m gpu tests/test_gpu.py
 
 Every test here is marked gpu and skipped without CUDA; the vLLM ones also need vLLM to import.
 Each vLLM engine starts in a process of its own (vLLM's parallel state is process-global): this
@@ -26,11 +28,12 @@ from model import build_tiny, load_policy, sdpa_off_cudnn, self_attending_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEV = "cuda"
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, needs_cuda]
 
 
 def sdpa_with_grads(q, k, v, mask, backends=None):
-    """SDPA's output and the gradients of its sum in q, k, v; backends: the ones allowed (None: all)."""
+    """SDPA's output and the gradients of its sum in q, k, v; backends: those allowed, or all."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(backends) if backends else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -94,7 +97,7 @@ def test_padding_queries_attending_themselves_are_finite_on_each_sdpa_backend(ba
     assert (out.float() - want)[real].abs().max().item() < 2e-2  # bf16 against fp32
 
 
-# ---------------------------------------------------------------- the trainer's passes on the device
+# ---------------------------------------------------------------- the trainer's passes, on CUDA
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +126,7 @@ def grouped_rows(vocab, seed=0):
 
 
 def values_and_grads(model, fn, mask, bf16):
-    """Response-token logprobs and every parameter's gradient of a loss using logprobs and entropy."""
+    """Response-token logprobs and each parameter's gradient of a loss of logprobs and entropy."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(DEV, dtype=torch.bfloat16, enabled=bf16):
         lp, ent = fn()
@@ -148,11 +151,14 @@ def test_shared_prompt_forward_equals_the_padded_rows_on_the_device(tiny_folder,
     model.train()
     ids, attention, mask, prompt_lens, groups = grouped_rows(model.config.vocab_size)
     bf16 = dtype == "bfloat16"
-    padded = values_and_grads(
-        model, lambda: sequence_logprobs(model, ids, 0.7, False, attention_mask=attention), mask, bf16)
-    shared = values_and_grads(
-        model, lambda: shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 0.7, fused),
-        mask, bf16)
+    def padded_pass():
+        return sequence_logprobs(model, ids, 0.7, False, attention_mask=attention)
+
+    def shared_pass():
+        return shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 0.7, fused)
+
+    padded = values_and_grads(model, padded_pass, mask, bf16)
+    shared = values_and_grads(model, shared_pass, mask, bf16)
     assert shared[1].keys() == padded[1].keys() and len(padded[1]) > 0
     assert all_finite(shared[0], *shared[1].values())
     lp_err = (shared[0] - padded[0]).abs().max().item()
@@ -285,8 +291,8 @@ def test_3b_update_time_and_peak_memory_against_preflight():
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() / 2**30)
         print(f"step {step}: {time.perf_counter() - start:.1f} s, loss {loss:.4g}, grad_norm "
-              f"{float(grad_norm):.4g}, peak {peaks[-1]:.1f} GiB allocated "
-              f"(pre-flight {estimate:.1f} GiB, {int(ub.tokens)} tokens, {len(ub.micro)} micro-batches)")
+              f"{float(grad_norm):.4g}, peak {peaks[-1]:.1f} GiB allocated (pre-flight "
+              f"{estimate:.1f} GiB; {int(ub.tokens)} tokens, {len(ub.micro)} micro-batches)")
         assert stepped and math.isfinite(loss) and math.isfinite(float(grad_norm))
     del policy, ref, optimizer, params, passes, ub
     torch.cuda.empty_cache()  # for the vLLM engines' processes after this test
@@ -309,15 +315,18 @@ def vllm_on_the_device(folder, level, out):
                                  "--gpu_memory_utilization=0.2", "--max_prompt_len=64",
                                  "--max_completion_len=24", "--seed=0"])
     tokenizer, policy = load_policy(cfg, folder, DEV)
-    prompts = [tokenizer("Write only digits, like 4 2 7:").input_ids, tokenizer("<think> 1 + 2").input_ids]
+    texts = ("Write only digits, like 4 2 7:", "<think> 1 + 2")
+    prompts = [tokenizer(text).input_ids for text in texts]
 
     def sample(seeds, temperature=1.0):  # greedy: one completion a prompt (vLLM's rule)
-        return engine.generate(prompts, 4 if temperature else 1, seeds=seeds, temperature=temperature,
-                               top_p=1.0, top_k=-1, max_tokens=24)
+        n = 4 if temperature else 1
+        return engine.generate(prompts, n, seeds=seeds, temperature=temperature, top_p=1.0,
+                               top_k=-1, max_tokens=24)
 
     def gap(groups):  # mean |sampler logprob - trainer logprob| over the sampled tokens
-        ids, attention, mask, sampler_lp = (t.to(DEV) for t in pad_batch([c for g in groups for c in g],
-                                                                          tokenizer.pad_token_id))
+        rows = [c for g in groups for c in g]
+        padded = pad_batch(rows, tokenizer.pad_token_id)
+        ids, attention, mask, sampler_lp = (t.to(DEV) for t in padded)
         with torch.no_grad():
             lp, _ = forward_logprobs(policy, ids, attention, cfg, 1.0)
         return ((lp - sampler_lp).abs() * mask).sum().item() / mask.sum().item()
@@ -328,8 +337,9 @@ def vllm_on_the_device(folder, level, out):
     engine = VLLMEngine(folder, cfg, DEV)
     engine.wake(push_weights_iter(policy))
     first = sample([0, 1])
-    result = {"gap_first": gap(first), "seeds_01": ids(first), "seeds_01_again": ids(sample([0, 1])),
-              "seeds_23": ids(sample([2, 3])), "greedy_first": ids(sample([0, 1], 0.0))}
+    result = {"gap_first": gap(first), "seeds_01": ids(first),
+              "seeds_01_again": ids(sample([0, 1])), "seeds_23": ids(sample([2, 3])),
+              "greedy_first": ids(sample([0, 1], 0.0))}
     awake = torch.cuda.mem_get_info()[0]
     engine.sleep()
     result["freed_gib"] = (torch.cuda.mem_get_info()[0] - awake) / 2**30
@@ -353,8 +363,8 @@ def vllm_runs(tiny_folder, tmp_path_factory):
     runs = {}
     for level in (0, 1, 2):
         path = out / f"level{level}.json"
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), tiny_folder, str(level), str(path)],
-                              capture_output=True, text=True, cwd=ROOT, timeout=600,
+        cmd = [sys.executable, os.path.abspath(__file__), tiny_folder, str(level), str(path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
                               env={**os.environ, "PYTHONPATH": ROOT})
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         runs[level] = json.loads(path.read_text())
