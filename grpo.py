@@ -63,7 +63,7 @@ from model import (
 )
 from preflight import preflight
 from rewards import run_python
-from rollout import HFEngine, ToolEngine, VLLMEngine, derive_seed, vllm_available
+from rollout import HFEngine, ToolEngine, VLLMEngine, auto_engine, derive_seed
 from task import check_task_output, load_problems, load_task, score, tokenize_prompts
 
 # ---------------------------------------------------------------- seeds
@@ -995,7 +995,7 @@ def main(argv, wrap_engine=lambda engine: engine):
     state = TrainState(beta=cfg.beta, run_id=f"{random.Random().getrandbits(64):016x}")
     if resume_from:
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
-    engine_name = ("vllm" if vllm_available() else "hf") if cfg.engine == "auto" else cfg.engine
+    engine_name = auto_engine() if cfg.engine == "auto" else cfg.engine  # auto: vLLM if it imports
     synced = parallel.world() > 1 and cfg.parallel == "fsdp"  # FSDP2: every rank steps until the slowest is done
     if engine_name == "vllm":
         engine = VLLMEngine(path, cfg, device)

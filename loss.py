@@ -111,15 +111,31 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
             log_p = _head(h, w, bias, cd).to(lse.dtype) / ctx.temperature - lse[s, None]  # (c, V)
             g = _softmax_grad(log_p, tokens[s], entropy[s], grad_logp[s] if grad_logp is not None else None,
                               grad_entropy[s] if grad_entropy is not None else None, ctx.temperature)
-            grad_hidden[s] = (g.to(cd) @ w).to(grad_hidden.dtype)  # dL/dh = g W
-            if grad_weight.dtype == cd:  # dL/dW = g^T h, added in place: no (V, H) temporary
-                grad_weight.addmm_(g.T, h)
-            else:  # the product in the compute dtype (bf16), summed in fp32
-                grad_weight += (g.to(cd).T @ h).to(grad_weight.dtype)
             if bias is not None:
                 grad_bias += g.sum(0).to(grad_bias.dtype)
+            g = g.to(cd)  # both products take it in the compute dtype
+            grad_hidden[s] = (g @ w).to(grad_hidden.dtype)  # dL/dh = g W
+            _add_weight_grad(grad_weight, g, h)  # dL/dW += g^T h
         grad_bias = grad_bias.to(bias.dtype) if bias is not None else None
         return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None
+
+
+def _add_weight_grad(grad_weight, g, h):
+    """grad_weight (V, H) += g^T h for one chunk, g (c, V) and h (c, H) in the compute dtype, in
+    place: no (V, H) temporary per chunk (at V = 152k, H = 2048 a bf16 product and its fp32 copy
+    would take 1.7 GiB a chunk).
+
+    fp32 (or fp64) compute: addmm_ in place. bf16 compute into an fp32 gradient: on CUDA, cuBLAS
+    multiplies the bf16 operands and adds into the fp32 gradient itself (addmm with out_dtype);
+    CPU kernels lack that mixed-dtype call, so there the bf16 operands are widened to fp32 first
+    (one (c, V) chunk) and multiplied exactly.
+    """
+    if grad_weight.dtype == g.dtype:
+        grad_weight.addmm_(g.T, h)
+    elif g.is_cuda:
+        torch.addmm(grad_weight, g.T, h, out_dtype=grad_weight.dtype, out=grad_weight)
+    else:
+        grad_weight.addmm_(g.T.to(grad_weight.dtype), h.to(grad_weight.dtype))
 
 
 def _head(h, w, bias, compute_dtype):
@@ -170,8 +186,7 @@ def linear_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, bias=No
 
     hidden: (B, T, H) the model's final hidden states (after its last norm); hidden[:, t] produced tokens[:, t].
     weight: (V, H) the output matrix (lm_head.weight; the embedding when tied), bias (V,) or None.
-    tokens: (B, T) long. chunk: positions per chunk; default: about 2^24 logits (64 MB of fp32) per chunk, so the
-    few (chunk, V) buffers that forward and backward hold at once stay small beside the hidden states.
+    tokens: (B, T) long. chunk: positions per chunk; default: head_chunk for the device.
     The head's matmul runs in the autocast dtype when autocast is on (bf16 logits, as the model's own head
     would give), else in the weight's dtype; logprobs and entropy in fp32. Both differentiable in hidden,
     weight and bias.
@@ -182,12 +197,26 @@ def linear_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, bias=No
     device = hidden.device.type
     autocast = torch.is_autocast_enabled(device)
     compute_dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(hidden.dtype, weight.dtype)
-    chunk = chunk or max(1, 2**24 // weight.shape[0])  # 110 positions at V = 152k
+    chunk = chunk or head_chunk(device, weight.shape[0])
     B, T, H = hidden.shape
     with torch.autocast(device, enabled=False):  # the casts are explicit, in forward and backward alike
         logp, entropy = _LinearLogprobsEntropy.apply(hidden.reshape(B * T, H), weight, bias, tokens.reshape(B * T),
                                                      float(temperature), chunk, compute_dtype)
     return logp.view(B, T), entropy.view(B, T)
+
+
+# Logits per chunk of the fused head, by device type. Each chunk's backward reads and writes the
+# whole (V, H) fp32 weight gradient: on an H200 at 2^24 logits (110 positions at V = 152k) that
+# traffic takes ~5x as long as the chunk's weight-gradient matmul, at 2^27 (880 positions) about
+# as long, and the chunk's few (c, V) fp32 buffers (512 MiB each) are small beside GPU memory.
+# On a CPU, 2^24 (64 MiB of fp32) keeps them small beside the hidden states.
+HEAD_CHUNK_LOGITS = {"cuda": 2**27}
+HEAD_CHUNK_LOGITS_DEFAULT = 2**24
+
+
+def head_chunk(device_type, vocab_size):
+    """Positions per chunk of linear_logprobs_and_entropy on a device type ("cuda", "cpu", ...)."""
+    return max(1, HEAD_CHUNK_LOGITS.get(device_type, HEAD_CHUNK_LOGITS_DEFAULT) // vocab_size)
 
 
 def token_logprobs(logits, tokens, temperature=1.0):

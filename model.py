@@ -148,12 +148,17 @@ def hub_reachable(timeout=3.0):
 def load_policy(cfg, path, device, adapter=None):
     """(tokenizer, policy) in fp32 on `device`; LoRA-wrapped when cfg.lora_rank > 0 (O5)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
+    hook = hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
+    if cfg.gradient_checkpointing and cfg.shared_prompt and not hook:
+        raise ConfigError(f"gradient_checkpointing with shared_prompt {CHECKPOINT_CACHE_HINT}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     disable_dropout(policy)
+    sdpa_off_cudnn(device)
     if torch.device(device).type == "cpu":
         grouped_heads_on_cpu(policy)
     if cfg.gradient_checkpointing:
@@ -168,6 +173,18 @@ def load_policy(cfg, path, device, adapter=None):
             lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules="all-linear")
             policy = get_peft_model(policy, lora)
     return tokenizer, policy
+
+
+def sdpa_off_cudnn(device):
+    """On CUDA, keep PyTorch's SDPA off its cuDNN backend (the other backends stay).
+
+    With a mask, a key length of 64 mod 128 and a very negative logsumexp, cuDNN's backward returns
+    NaN on H100/H200 (pytorch issue 196678, since torch 2.11; Qwen2.5's heads hit it). The trainer
+    passes masks in padded rows and in both shared-prompt passes, and vLLM pins a torch without the
+    fix. The setting is process-wide: the reference model gets it too.
+    """
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -321,11 +338,28 @@ class SharedPromptCache(DynamicCache):
         return torch.cat([layer.keys, key_states], -2), torch.cat([layer.values, value_states], -2)
 
 
+# transformers drops a checkpointed layer's past_key_values unless the layer says it may keep
+# them; that switch (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in
+# 5.15.0 (5.14.1 lacks it)
+CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.15.0 (pip install -U 'transformers>=5.15.0'), "
+                         "or set --gradient_checkpointing=false or --shared_prompt=false")
+
+
 @contextlib.contextmanager
 def checkpoint_with_cache(model):
-    """Let checkpointed decoder layers keep a cache argument: ours are read-only or keep-once, so the replay in
-    backward reads the same keys and values (transformers drops past_key_values under checkpointing otherwise)."""
-    layers = [m for m in model.modules() if hasattr(type(m), "_can_checkpoint_with_cache")]
+    """Let checkpointed decoder layers keep a cache argument: ours are read-only or keep-once, so
+    the replay in backward reads the same keys and values (transformers drops past_key_values
+    under checkpointing otherwise). A checkpointed layer without the switch would silently attend
+    to its own tokens only: an error."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    switch = "_can_checkpoint_with_cache"
+    old = [m for m in layers if m.gradient_checkpointing and not hasattr(type(m), switch)]
+    if old:
+        raise RuntimeError(f"gradient checkpointing with each prompt once (shared_prompt) "
+                           f"{CHECKPOINT_CACHE_HINT}: {type(old[0]).__name__} cannot keep its "
+                           f"cache argument in this transformers")
     for layer in layers:
         layer._can_checkpoint_with_cache = True
     try:
@@ -353,6 +387,36 @@ def split_shared_prompts(ids, attention, prompt_lens, groups):
         rows_ids[r, :n] = ids[r, prompt_lens[r] - 1 : lengths[r]]
         rows_mask[r, :n] = 1
     return prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of
+
+
+def self_attending_mask(model, mask):
+    """The (b, T) 0/1 mask of a left-padded pass with nothing cached before it, as the (b, 1, T, T)
+    causal mask the model's attention takes, except that a padding query attends to its own key:
+    no query row is fully masked.
+
+    transformers 5 hands a padding query that may attend no key to the kernel as it is: CPU kernels
+    give 0 there, some CUDA kernels NaN, and in the next layer a real query's weight 0 on that
+    padding value makes 0 x NaN = NaN. A real query never attends a padding key either way, so its
+    output is exactly the plain mask's. The mask is bool for sdpa (and sdpa_gqa), additive float
+    for eager; flash-attention takes the 2D mask (it drops padding queries), as does any other
+    implementation, and so does a batch without padding (the causal kernel).
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+    model = getattr(model, "module", model)  # DDP's wrapper
+    kind = ALL_MASK_ATTENTION_FUNCTIONS.get(model.config._attn_implementation)
+    if kind not in (sdpa_mask, eager_mask) or bool(mask.all()):
+        return mask
+    T = mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+    # (b, 1, T, T): query t attends the keys <= t that are tokens, and every query its own key
+    allowed = causal & mask.bool()[:, None, None, :]
+    allowed |= torch.eye(T, dtype=torch.bool, device=mask.device)
+    if kind is eager_mask:  # added to the scores: 0 where attended, else the dtype's lowest
+        dtype = model.get_input_embeddings().weight.dtype
+        scores = torch.zeros(allowed.shape, dtype=dtype, device=mask.device)
+        return scores.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return allowed
 
 
 def tail_runs(tails, split=True):
@@ -393,8 +457,10 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
         if P > 0:
             cache = PromptCache()
             positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-            out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                        past_key_values=cache, use_cache=False, logits_to_keep=1)  # only the keys and values are wanted
+            attend = self_attending_mask(model, prompt_mask)  # left-padded: no fully masked row
+            # only the keys and values are wanted
+            out = model(input_ids=prompt_ids, attention_mask=attend, position_ids=positions,
+                        past_key_values=cache, use_cache=False, logits_to_keep=1)
             # FSDP2 gathers a layer's weights for backward when the gradient of the layer's output arrives; the
             # prompt's keys and values bypass the outputs, so the pass's output joins the result with weight 0
             tie = 0.0 * out.logits.float().sum()

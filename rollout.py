@@ -29,6 +29,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 import parallel
+from model import self_attending_mask
 
 
 @dataclass
@@ -80,6 +81,23 @@ def vllm_available():
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+def auto_engine():
+    """engine=auto: "vllm" if vLLM imports here, else "hf", saying why (once, from rank 0). An
+    installed vLLM can still fail to import (a CUDA library, or a torch it was not built for): the
+    error's first line is the reason given."""
+    why = None if vllm_available() else "vLLM is not installed"
+    if why is None:
+        try:
+            import vllm  # noqa: F401
+        except Exception as e:  # not only ImportError: a broken install raises what it raises
+            first = (str(e).splitlines() or [""])[0]
+            why = (f"vLLM is installed but does not import ({type(e).__name__}: {first}; "
+                   f"--engine=vllm shows it all)")
+    if why and parallel.rank() == 0:
+        print(f"engine=auto: {why}; sampling with the HF engine")
+    return "hf" if why else "vllm"
 
 
 class VLLMEngine:
@@ -259,15 +277,23 @@ class HFEngine:
             mask[r, P - len(prompt) :] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         generators = [torch.Generator(device).manual_seed(seed) for _, seed, _ in rows]
-        budgets = [m for _, _, m in rows]
+        budgets = [m for _, _, m in rows]  # each row ends at its own budget (_ended)
+        # under synced_gpus every forward is a collective: a rank loops as long as the longest
+        # budget of any rank (its own rows done, it feeds padding), or the ranks would call
+        # different collectives and hang
+        steps = int(parallel.all_max(max(budgets))) if self.synced_gpus else max(budgets)
         cache, done, logprobs = DynamicCache(), torch.zeros(R, dtype=torch.bool, device=device), []
         tokens = [[] for _ in rows]  # each row's sampled tokens, up to its end
         # one autocast region around the whole loop: each fp32 master weight is cast to bf16 once per call (autocast
         # caches casts of leaf weights until its outermost region ends), not once per token
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            for k in tqdm(range(max(budgets)), desc="generate", disable=not progress, leave=False):
-                logits = self.policy(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                     use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (R, V)
+            for k in tqdm(range(steps), desc="generate", disable=not progress, leave=False):
+                # the prefill's padding queries attend to themselves (no fully masked row); the
+                # steps after it add one real query per row, which attends to itself anyway
+                attend = self_attending_mask(self.policy, mask) if k == 0 else mask
+                out = self.policy(input_ids=ids, attention_mask=attend, position_ids=positions,
+                                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+                logits = out.logits[:, -1].float()  # (R, V)
                 token, logp = sample_next(logits, temperature, top_p, top_k, generators)
                 token = torch.where(done, pad, token)  # a stopped row is fed padding, and keeps it
                 logprobs.append(logp)

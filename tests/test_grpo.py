@@ -17,10 +17,12 @@ import torch
 import config
 import grpo
 from config import ConfigError
+from rollout import vllm_available
 from task import replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-requires_vllm = pytest.mark.skipif(not grpo.vllm_available() and not os.environ.get("CI"), reason="vllm not installed")
+requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"),
+                                   reason="vllm not installed")
 TRAIN_KEYS = ("reward", "acc", "loss", "grad_norm", "entropy", "response_length", "lr", "effective_group_ratio")
 
 

@@ -123,6 +123,70 @@ def test_linear_logprobs_under_bf16_autocast_match_bf16_logits():
     lp.sum().backward()
     assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
 
+def weight_sized_tensors_made(fn, V, H):
+    """How many new tensors of at least V * H elements the ops run by fn() make (views, in-place
+    and out= ops make none)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            fresh = not (func.is_view or func._schema.name.endswith("_") or "out" in (kwargs or {}))
+            made.extend(t for t in (out if isinstance(out, (tuple, list)) else [out])
+                        if fresh and isinstance(t, torch.Tensor) and t.numel() >= V * H)
+            return out
+
+    with Count():
+        fn()
+    return len(made)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_head_backward_makes_no_weight_sized_tensor_per_chunk(autocast):
+    """The weight gradient is summed in place chunk by chunk: backward makes the same few (V, H)
+    tensors (the gradient, and under bf16 autocast the weight's bf16 copy) for 1 chunk as for 12,
+    and the gradient is the bf16 product summed in fp32."""
+    torch.manual_seed(4)
+    V, H = 40, 24
+    h, w = torch.randn(1, 12, H), torch.randn(V, H, requires_grad=True)
+    tokens = torch.randint(0, V, (1, 12))
+
+    def backward_count(chunk):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            lp, ent = linear_logprobs_and_entropy(h, w, tokens, chunk=chunk)
+        w.grad = None
+        return weight_sized_tensors_made(lambda: (lp.sum() + ent.sum()).backward(), V, H)
+
+    assert backward_count(12) == backward_count(6) == backward_count(1) == (2 if autocast else 1)
+    if autocast:  # d/dW of sum(log p) = (onehot - p)^T h, with bf16 operands and an fp32 sum
+        p = torch.softmax((h[0].bfloat16() @ w.detach().bfloat16().T).float(), -1)
+        g = (torch.nn.functional.one_hot(tokens[0], V) - p).bfloat16().float()
+        w.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, _ = linear_logprobs_and_entropy(h, w, tokens, chunk=5)
+        lp.sum().backward()
+        assert torch.allclose(w.grad, g.T @ h[0].bfloat16().float(), atol=1e-5)
+
+
+def test_fused_head_chunk_is_sized_for_the_device(monkeypatch):
+    """2^24 logits a chunk on a CPU (110 positions at Qwen2.5's 152k vocabulary), 2^27 on CUDA
+    (883), at least one position."""
+    import loss
+    from loss import head_chunk
+
+    assert (head_chunk("cpu", 151936), head_chunk("cuda", 151936)) == (110, 883)
+    assert head_chunk("cuda", 2**28) == 1 and head_chunk("mps", 2**20) == 16
+    chunks = []
+    apply = loss._LinearLogprobsEntropy.apply
+    spy = lambda *args: chunks.append(args[5]) or apply(*args)  # noqa: E731
+    monkeypatch.setattr(loss._LinearLogprobsEntropy, "apply", spy)
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    linear_logprobs_and_entropy(torch.randn(1, 3, 8), torch.randn(2**20, 8), tokens)
+    assert chunks == [16]  # a CPU tensor: the CPU's size
+
+
 def test_non_contiguous_logits_slice():
     # the trainer passes model_logits[:, :-1], a non-contiguous view
     torch.manual_seed(3)

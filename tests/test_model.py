@@ -1,7 +1,9 @@
 """Model loading, the GGUF conversion, and the weights pushed to the sampler.   pytest tests/test_model.py"""
 
+import functools
 import importlib.util
 import json
+import math
 import os
 
 import pytest
@@ -266,3 +268,161 @@ def test_fused_head_is_refused_for_models_with_transformed_logits(tiny):
     assert fused_head_unsupported(model) is None
     model.config.final_logit_softcapping = 30.0  # Gemma 2 caps the logits after the head
     assert "final_logit_softcapping" in fused_head_unsupported(model)
+
+
+def nan_where_no_key(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention, except that a query row that may attend no key gives NaN, as
+    some CUDA kernels do (the CPU kernels give 0)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    # out (b, T, H, d)
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None:
+        empty = ~attention_mask[:, 0].any(-1)  # (b, T) for a bool (b, 1, T, S) mask
+        out = out.masked_fill(empty[:, :, None, None], float("nan"))
+    return out, weights
+
+
+@pytest.fixture
+def nan_attention(tiny):
+    """The tiny policy with nan_where_no_key as its attention, and every mask handed to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    seen = []
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        seen.append(attention_mask)
+        return nan_where_no_key(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("sdpa_nan_test", attention)
+    AttentionMaskInterface.register("sdpa_nan_test", sdpa_mask)
+    tokenizer, policy = load_policy(tiny[0], tiny[1], "cpu")
+    policy.set_attn_implementation("sdpa_nan_test")
+    return tokenizer, policy, seen
+
+
+def test_left_padded_passes_have_no_fully_masked_query_row(nan_attention):
+    """The shared-prompt prompt pass and the HF engine's prefill left-pad; a padding query that
+    attends no key would be NaN on some GPUs and reach the real rows through 0 x NaN. Every mask
+    handed to attention lets each query attend a key, and the real positions' logprobs are the
+    plain padded forward's."""
+    from model import sequence_logprobs, shared_prompt_logprobs
+    from rollout import HFEngine
+
+    tokenizer, policy, seen = nan_attention
+    # prompts of 5, 7 and 2 tokens
+    ids, attention, mask, prompt_lens, groups = grouped_rows(policy.config.vocab_size)
+    with torch.no_grad():  # right-padded rows: no fully masked row
+        want, _ = sequence_logprobs(policy, ids, 0.7, False, attention_mask=attention)
+        got, _ = shared_prompt_logprobs(policy, ids, attention, prompt_lens, groups, 0.7, True)
+    assert torch.isfinite(got).all() and torch.allclose(got * mask, want * mask, atol=1e-5)
+    prompts = [[5, 17, 42, 99, 7, 3], [11, 8]]  # the second left-padded by 4 in the prefill
+    groups = HFEngine(policy, tokenizer).generate(prompts, 2, seeds=[0, 1], temperature=0.7,
+                                                   top_p=1.0, top_k=-1, max_tokens=6)
+    rows = [c for g in groups for c in g]
+    assert all(len(c.logprobs) == len(c.completion_ids) > 0 for c in rows)
+    assert all(math.isfinite(lp) for c in rows for lp in c.logprobs)
+    for c in rows:  # the engine's logprobs are the trainer's on the same tokens
+        full = torch.tensor([c.prompt_ids + c.completion_ids])
+        with torch.no_grad():
+            lp, _ = sequence_logprobs(policy, full, 0.7, False)
+        assert torch.allclose(lp[0, len(c.prompt_ids) - 1 :], torch.tensor(c.logprobs), atol=1e-5)
+    masks = [m for m in seen if m is not None]
+    assert any(m.shape[-2] == 6 and not m.all() for m in masks)  # the engine's padded prefill
+    assert all(m[:, 0].any(-1).all() for m in masks)  # every query row of every mask sees a key
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "sdpa_gqa", "eager", "flash_attention_2"])
+def test_self_attending_mask_in_each_attentions_format(tiny, implementation):
+    """bool for sdpa, additive float for eager, at real query rows exactly transformers' own mask,
+    each padding query attending only itself; the 2D mask as it is for flash-attention and for a
+    batch without padding."""
+    from transformers.masking_utils import create_causal_mask
+
+    from model import self_attending_mask
+
+    _, policy = load_policy(tiny[0], tiny[1], "cpu")
+    policy.config._attn_implementation = implementation  # only the mask's format depends on it
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]])  # left-padded
+    full = mask[1:2]
+    assert self_attending_mask(policy, full) is full  # no padding: the causal kernel, no mask
+    built = self_attending_mask(policy, mask)
+    if implementation == "flash_attention_2":
+        assert built is mask
+        return
+    embeds = torch.zeros(3, 4, policy.config.hidden_size)
+    plain = create_causal_mask(config=policy.config, inputs_embeds=embeds, attention_mask=mask,
+                               past_key_values=None, position_ids=torch.arange(4)[None])
+    assert built.shape == plain.shape == (3, 1, 4, 4) and built.dtype == plain.dtype
+    assert built.dtype == (torch.float32 if implementation == "eager" else torch.bool)
+    real = mask.bool()[:, None, :, None].expand(3, 1, 4, 4)  # the rows of real queries
+    assert torch.equal(built[real], plain[real])
+    attended = built if built.dtype == torch.bool else built == 0
+    for b, t in (mask == 0).nonzero().tolist():  # a padding query: its own key only
+        assert attended[b, 0, t].tolist() == [k == t for k in range(4)]
+
+
+def test_sdpa_stays_off_cudnn_where_models_are_built_on_cuda(tiny, monkeypatch):
+    """cuDNN's SDPA backward gives NaN with a mask on H100/H200 (pytorch issue 196678): on CUDA
+    the trainer's models keep PyTorch's SDPA off that backend; elsewhere nothing changes."""
+    import model
+    from model import sdpa_off_cudnn
+
+    asked = []
+    monkeypatch.setattr(model, "sdpa_off_cudnn", asked.append)
+    load_policy(tiny[0], tiny[1], "cpu")
+    assert asked == ["cpu"]  # the policy's loader settles it for its device
+    monkeypatch.undo()
+    before = torch.backends.cuda.cudnn_sdp_enabled()  # a process-wide flag
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        sdpa_off_cudnn("cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        for device in ("cuda", "cuda:1"):  # one GPU, or a rank's own under torchrun
+            torch.backends.cuda.enable_cudnn_sdp(True)
+            sdpa_off_cudnn(device)
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_checkpointing_with_shared_prompts_needs_the_cache_switch(tiny, monkeypatch):
+    """Before transformers 5.15.0 a checkpointed decoder layer has no _can_checkpoint_with_cache
+    and drops its cache argument: the completion pass would silently attend to its own tokens
+    only. That is an error that names the fix."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from model import checkpoint_with_cache, shared_prompt_logprobs
+
+    cfg, path = tiny
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    ids, attention, _, prompt_lens, groups = grouped_rows(model.config.vocab_size)
+
+    def old_call(layer, *args, **kwargs):  # transformers 5.14.1: checkpointing drops the cache
+        if layer.gradient_checkpointing and layer.training:
+            kwargs["past_key_values"] = None
+            forward = functools.partial(torch.nn.Module.__call__, layer, **kwargs)
+            return layer._gradient_checkpointing_func(forward, *args)
+        return torch.nn.Module.__call__(layer, *args, **kwargs)
+
+    # the layer class of transformers 5.14.1
+    monkeypatch.delattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
+    monkeypatch.setattr(GradientCheckpointingLayer, "__call__", old_call)
+    # no checkpointing: the switch is not needed
+    shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 1.0, False)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(RuntimeError, match=r">= 5.15.0.*LlamaDecoderLayer cannot keep its cache"):
+        shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 1.0, False)
+    ckpt = load_config(overrides=["--gradient_checkpointing=true"])
+    with pytest.raises(ConfigError, match=r"shared_prompt needs transformers >= 5.15.0"):
+        load_policy(ckpt, "/no/such/model", "cpu")  # before any model loads
+    load_policy(load_config(overrides=["--gradient_checkpointing=true", "--shared_prompt=false"]),
+                path, "cpu")
+    monkeypatch.undo()
+    with checkpoint_with_cache(model):  # the switch is there: set on every layer while open
+        assert all(layer._can_checkpoint_with_cache for layer in model.model.layers)
+    assert not any("_can_checkpoint_with_cache" in vars(layer) for layer in model.model.layers)

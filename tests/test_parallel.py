@@ -205,3 +205,70 @@ def test_two_ranks_match_one_process_with_mini_batches_and_batch_wide_statistics
             assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
     assert one[-1]["approx_kl_old"] > 0  # the later steps saw a moved policy
     assert max_weight_diff(tmp_path / "single" / "ckpt_000002", tmp_path / "fsdp" / "ckpt_000002") < 1e-5
+
+
+def decode_on_two_ranks(out_dir):
+    """Run under torchrun (2 CPU ranks): the HF engine on an FSDP2 policy (synced_gpus) with budgets
+    that differ between the ranks, as the second tool turn gives them, and a tool rollout in which
+    rank 1 has no prompt (its engine decodes a one-token dummy row). Each rank writes its
+    completions and the unsharded engine's."""
+    import copy
+
+    from config import load_config
+    from model import build_tiny, load_policy
+    from rollout import HFEngine, ToolEngine
+
+    rank, _, _ = parallel.setup("cpu")
+    with parallel.local_rank0_first():
+        folder = build_tiny(os.path.join(out_dir, "tiny"))
+    tokenizer, policy = load_policy(load_config(overrides=["--dtype=float32"]), folder, "cpu")
+    alone = HFEngine(copy.deepcopy(policy), tokenizer)
+    synced = HFEngine(parallel.wrap(policy, "fsdp", "float32"), tokenizer, synced_gpus=True)
+    texts = ("Write only digits, like 4 2 7:", "<think> 1 + 2")
+    prompts = [tokenizer(text).input_ids for text in texts]
+    sampling = dict(temperature=1.0, top_p=1.0, top_k=-1)
+    calls = [(prompts, [3, 5]) if rank == 0 else (prompts[:1], [9]),  # rank 1 goes 4 steps further
+             ([], []) if rank == 0 else (prompts, [4, 2])]  # rank 0 has nothing: a dummy row
+    got, want = [], []
+    for rank_prompts, budgets in calls:
+        seeds = list(range(len(rank_prompts)))
+        for engine, into in ((synced, got), (alone, want)):
+            groups = engine.generate(rank_prompts, 2, seeds=seeds, max_tokens=budgets, **sampling)
+            into.append([[c.completion_ids, c.logprobs] for g in groups for c in g])
+    tool_prompts = prompts if rank == 0 else []  # rank 1: no live row from the first turn on
+    for engine, into in ((synced, got), (alone, want)):
+        tools = ToolEngine(engine, tokenizer, 2, lambda code: ("7 7 7", True), tags=("", "e"))
+        groups = tools.generate(tool_prompts, 2, seeds=[0, 1][: len(tool_prompts)], max_tokens=24,
+                                **sampling)
+        into.append([[c.completion_ids, c.mask, c.tool_calls] for g in groups for c in g])
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"got": got, "want": want}, f)
+
+
+def test_hf_engine_under_fsdp_decodes_until_every_rank_is_done(tmp_path):
+    """synced_gpus: every forward is a collective, so a rank whose rows end sooner (a smaller
+    budget, or no row at all) keeps stepping until the last rank is done; each row still ends at
+    its own budget, as on one process. Stepping by its own budget only, a rank would leave the loop
+    while the other still gathers weights: they hang."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = launcher + [os.path.join(ROOT, "tests", "test_parallel.py"), str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        log = proc.communicate(timeout=150)[0]
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # torchrun stops both ranks on SIGTERM
+        pytest.fail("the two ranks hung: " + proc.communicate(timeout=60)[0][-3000:])
+    assert proc.returncode == 0, log[-5000:]
+    ranks = []
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            ranks.append(json.load(f))
+        # the sharded, synced engine samples what one process does
+        assert ranks[-1]["got"] == ranks[-1]["want"]
+    assert max(len(row[0]) for row in ranks[1]["got"][0]) > 5  # past rank 0's longest budget
+    assert sum(row[2] for row in ranks[0]["got"][-1]) >= 1  # rank 0's tool rollout took a 2nd turn
+
+
+if __name__ == "__main__":  # torchrun tests/test_parallel.py OUT_DIR: the worker of the test above
+    decode_on_two_ranks(sys.argv[1])

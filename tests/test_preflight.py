@@ -23,15 +23,67 @@ def test_memory_estimate_hand_worked():
     est = estimate_memory(cfg, preflight.SHAPES["tiny"])
     n = count_params(preflight.SHAPES["tiny"])
     gib = 2**30
-    assert est["weights"] * gib == 4 * n and est["grads"] * gib == 4 * n and est["optimizer"] * gib == 8 * n
-    # 2 layers x 17 x 64 elements per token at 4 bytes + logits and their grad at 2 x 4 bytes x 512
-    assert est["activations"] * gib == 2048 * (4 * 17 * 64 * 2 + 8 * 512)
+    assert est["weights"] * gib == 4 * n and est["grads"] * gib == 4 * n
+    assert est["optimizer"] * gib == 8 * n and est["adam_step"] * gib == 4 * n
+    assert est["weight_copies"] == 0  # fp32: autocast copies nothing
+    # tiny: h 64, kv 64, i 128, 2 layers, V 512; fp32 (4 bytes), no checkpointing: each layer keeps
+    # per token 16 h (norms) + 5 x 4 h (attention) + 4 x 4 i (MLP); the prompt pass keeps its keys
+    # and values (2 x 64 x 4 bytes a layer)
+    layer = 16 * 64 + 5 * 4 * 64 + 4 * 4 * 128
+    assert est["activations"] * gib == 2 * layer * 2048 + 2 * 64 * 4 * 2 * 2048
+    # the (b, T, V) fp32 logits and their gradient; the logprobs' 1024-position chunk (3 x fp32)
+    assert est["head"] * gib == 2 * 4 * 2048 * 512 + 12 * 1024 * 512
     assert "reference" not in est  # beta = 0: no reference model (L4)
-    assert "reference" in estimate_memory(load_config(overrides=["--beta=0.001"]), preflight.SHAPES["tiny"])
+    with_ref = estimate_memory(load_config(overrides=["--beta=0.001"]), preflight.SHAPES["tiny"])
+    assert with_ref["reference"] * gib == 4 * n  # fp32, as grpo.build_models loads it
     ckpt_cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32", "--beta=0",
                                       "--gradient_checkpointing=true"])
     ckpt = estimate_memory(ckpt_cfg, preflight.SHAPES["tiny"])
-    assert ckpt["activations"] < est["activations"]
+    # the layers' fp32 inputs, one layer recomputed, the prompt keys and values
+    assert ckpt["activations"] * gib == 4 * 64 * 2 * 2048 + layer * 2048 + 2 * 64 * 4 * 2 * 2048
+
+
+def test_memory_estimate_of_the_3b_run_hand_worked(capsys):
+    """config/countdown_3b.py on one GPU: fp32 weights and reference, bf16 autocast, checkpointing,
+    the fused head."""
+    gib = 2**30
+    path = os.path.join(ROOT, "config", "countdown_3b.py")
+    cfg = load_config(path)
+    est = estimate_memory(cfg, preflight.SHAPES[cfg.model])
+    # 36 x (2 x 2048^2 + 2 x 2048 x 256 + 3 x 2048 x 11008) + 151936 x 2048 (tied)
+    n = 3_085_697_024
+    assert count_params(preflight.SHAPES[cfg.model]) == n
+    per_param = {"weights": 4, "reference": 4, "grads": 4, "optimizer": 8, "adam_step": 4}
+    for key, bytes_per_param in per_param.items():
+        assert est[key] * gib == bytes_per_param * n, key
+    layers = 36 * (2 * 2048**2 + 2 * 2048 * 256 + 3 * 2048 * 11008)
+    assert est["weight_copies"] * gib == 2 * layers  # bf16 copies of every decoder layer's weights
+    # fp32 layer inputs; one layer: 16 h + 5 bf16 casts of h + 5 x 2 h (attention) + 4 x 2 i (MLP);
+    # the prompt keys and values in bf16
+    one_layer = 16 * 2048 + 5 * 2 * 2048 + 5 * 2 * 2048 + 4 * 2 * 11008
+    assert est["activations"] * gib == (4 * 2048 * 36 + one_layer + 2 * 256 * 2 * 36) * 16384
+    # the head's bf16 copy, its fp32 gradient, 883 positions (2^27 logits) x V x (3 x 4 + 2) bytes
+    assert est["head"] * gib == 2 * 151936 * 2048 + 4 * 151936 * 2048 + 14 * 883 * 151936
+    assert preflight.resident_memory(est) * gib == 16 * n  # weights, reference, moments
+    micro_batch = 2 * layers + est["activations"] * gib + est["head"] * gib
+    peak = 20 * n + max(4 * n, micro_batch)  # + the gradients
+    assert preflight.update_peak(est) * gib == pytest.approx(peak, rel=1e-12)
+    assert 73 < peak / gib < 74
+    preflight.preflight(load_config(path, ["--device_memory_gb=80"]))
+    table = capsys.readouterr().out
+    assert "  weights         11.50  fp32 master weights (model.load_policy)" in table
+    assert "  update peak     73.66  resident + grads + max(adam_step, weight_copies" in table
+
+
+def test_lora_and_offloaded_reference_terms():
+    """A LoRA base is loaded in fp32 like any policy; ref_offload keeps the reference on the CPU."""
+    gib, shape = 2**30, preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"]
+    path = os.path.join(ROOT, "config", "countdown_3b.py")
+    n, lora = count_params(shape), 16 * 36 * (4 * 2048 + 2 * (2048 + 256) + 3 * (2048 + 11008))
+    est = estimate_memory(load_config(path, ["--lora_rank=16"]), shape)
+    assert est["weights"] * gib == 4 * (n + lora) and est["optimizer"] * gib == 8 * lora
+    assert "reference" not in est  # the base with its adapters disabled
+    assert "reference" not in estimate_memory(load_config(path, ["--ref_offload=true"]), shape)
 
 
 def test_memory_check_against_the_device(tmp_path, capsys):
@@ -58,14 +110,25 @@ def test_model_shape_from_a_local_folder(tmp_path):
 
 
 def test_fsdp_memory_estimate_is_sharded(monkeypatch):
+    gib, shape = 2**30, preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"]
     path = os.path.join(ROOT, "config", "countdown_3b.py")
-    one = estimate_memory(load_config(path), preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"])
+    one = estimate_memory(load_config(path), shape)
     monkeypatch.setenv("WORLD_SIZE", "8")
-    fsdp = estimate_memory(load_config(path), preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"])
-    ddp = estimate_memory(load_config(path, ["--parallel=ddp"]), preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"])
-    for k in ("weights", "optimizer", "grads", "reference"):
+    fsdp = estimate_memory(load_config(path), shape)
+    ddp = estimate_memory(load_config(path, ["--parallel=ddp"]), shape)
+    for k in ("weights", "optimizer", "grads", "reference", "adam_step"):
         assert fsdp[k] == pytest.approx(one[k] / 8) and ddp[k] == one[k]
-    assert fsdp["activations"] == one["activations"]  # each rank still runs whole micro-batches
+    assert ddp["ddp_buckets"] == one["grads"] and "ddp_buckets" not in fsdp
+    for k in ("activations", "head", "weight_copies"):
+        assert ddp[k] == one[k]
+    # each rank still runs whole micro-batches, on weights FSDP2 gathers in bf16: a bf16 residual
+    # stream, nothing for autocast to cast; the root (tied embeddings and head) and two layers
+    one_layer = 16 * 2048 + 5 * 2 * 2048 + 4 * 2 * 11008
+    assert fsdp["activations"] * gib == (2 * 2048 * 36 + one_layer + 2 * 256 * 2 * 36) * 16384
+    layer = 2 * 2048**2 + 2 * 2048 * 256 + 3 * 2048 * 11008
+    assert fsdp["weight_copies"] * gib == 2 * (151936 * 2048 + 2 * layer)
+    # the gathered head is bf16 already: no copy, the fp32 gradient and the chunks
+    assert fsdp["head"] * gib == 4 * 151936 * 2048 + 14 * 883 * 151936
     # sharded over 8 ranks, the update that one process cannot fit on a 40 GB card fits
     preflight.preflight(load_config(path, ["--device_memory_gb=40"]))
 
@@ -77,3 +140,25 @@ def test_a_gpu_sized_run_on_a_cpu_asks_for_device_cpu(monkeypatch):
         preflight.preflight(load_config(path))
     assert preflight.preflight(load_config(path, ["--device=cpu"]))["weights"] > 11  # asked for explicitly: it starts
     assert preflight.preflight(load_config())["weights"] < 1  # the default run is CPU-sized
+
+
+def test_preflight_cli_prints_the_table():
+    """python preflight.py --config ... prints the table (and, with a device named, the fit)."""
+    import subprocess
+    import sys
+
+    path = os.path.join(ROOT, "config", "countdown_3b.py")
+    cmd = [sys.executable, os.path.join(ROOT, "preflight.py"), "--config", path]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU named: the table alone
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    est = estimate_memory(load_config(path), preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"])
+    lines = [line for line in out.stdout.splitlines() if line.startswith("  ")]
+    rows = {line[2:16].strip(): float(line[16:23]) for line in lines}
+    assert rows.pop("update peak") == pytest.approx(preflight.update_peak(est), abs=0.005)
+    assert rows.pop("resident") == pytest.approx(preflight.resident_memory(est), abs=0.005)
+    assert rows == pytest.approx(est, abs=0.005)
+    small = subprocess.run(cmd + ["--device_memory_gb=40"], capture_output=True, text=True,
+                           cwd=ROOT, timeout=120)
+    assert small.returncode == 1
+    assert "config error: one update needs ~73.7 GiB of 40.0" in small.stdout

@@ -1,6 +1,8 @@
 """Both sampling engines on a tiny model: parity with the trainer, weight pushes.   pytest tests/test_rollout.py"""
 
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -419,3 +421,34 @@ def test_vllm_on_a_gpu_asks_for_each_row_with_its_own_seed(tiny):
     assert engine.llm.calls[-1] == [([1, 2], 2, None, 8), ([3], 2, None, 8)]
     assert [[c.prompt_ids for c in g] for g in groups] == [[[1, 2], [1, 2]], [[3], [3]]]
     assert torch.initial_seed() == 101  # the CPU path seeded torch's generator from the first row's seed
+
+
+def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
+    """engine=auto takes vLLM when it imports; an installed vLLM that fails to import (a missing
+    CUDA library) gives the HF engine and one line with the error's first line; without vLLM, one
+    line saying it is not installed."""
+    import builtins
+
+    import rollout
+
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "vllm":
+            raise ImportError("libcudart.so.12: cannot open shared object file\nmore detail")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(rollout, "vllm_available", lambda: True)  # the package is there
+    monkeypatch.setattr(builtins, "__import__", broken)
+    assert rollout.auto_engine() == "hf"
+    assert capsys.readouterr().out == (
+        "engine=auto: vLLM is installed but does not import (ImportError: libcudart.so.12: cannot "
+        "open shared object file; --engine=vllm shows it all); sampling with the HF engine\n")
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
+    assert rollout.auto_engine() == "hf"
+    out = capsys.readouterr().out
+    assert out == "engine=auto: vLLM is not installed; sampling with the HF engine\n"
+    monkeypatch.setattr(rollout, "vllm_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # one that imports
+    assert rollout.auto_engine() == "vllm" and capsys.readouterr().out == ""

@@ -1,0 +1,396 @@
+"""What only a GPU shows: SDPA's kernels, the trainer's passes and the fused head on CUDA, one
+real-shape 3B update against pre-flight, the vLLM engine on the device.
+
+    pytest -m gpu tests/test_gpu.py
+
+Every test here is marked gpu and skipped without CUDA; the vLLM ones also need vLLM to import.
+Each vLLM engine starts in a process of its own (vLLM's parallel state is process-global): this
+file run as a script is that process.
+"""
+
+import contextlib
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from config import load_config
+from model import build_tiny, load_policy, sdpa_off_cudnn, self_attending_mask
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEV = "cuda"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, needs_cuda]
+
+
+def sdpa_with_grads(q, k, v, mask, backends=None):
+    """SDPA's output and the gradients of its sum in q, k, v; backends: those allowed, or all."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out.backward(torch.ones_like(out))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def all_finite(*tensors):
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+# ---------------------------------------------------------------- SDPA on this GPU
+
+
+@pytest.mark.parametrize("L", [704, 640])  # 704 % 128 == 64: the shape of the bug; 640 a control
+def test_cudnn_sdpa_hazard_is_finite_with_the_projects_setting(L):
+    """pytorch issue 196678: cuDNN's SDPA backward gives NaN grad_q with a mask, a key length of 64
+    mod 128 and rows whose logsumexp is below ln(FLT_MAX) (Qwen2.5's heads). With the trainer's
+    setting (model.sdpa_off_cudnn, which load_policy applies on CUDA) all is finite."""
+    torch.manual_seed(0)
+    D = 64
+    q = torch.randn(1, 1, L, D, device=DEV, dtype=torch.bfloat16) * 0.1
+    k = torch.randn(1, 1, L, D, device=DEV, dtype=torch.bfloat16) * 0.1
+    v = torch.randn(1, 1, L, D, device=DEV, dtype=torch.bfloat16)
+    q[..., 0], k[..., 0] = 1.0, -120 * math.sqrt(D)  # every score ~ -120: logsumexp < -88.7
+    mask = torch.ones(L, L, dtype=torch.bool, device=DEV).tril()[None, None]
+    try:
+        raw = sdpa_with_grads(q, k, v, mask, [SDPBackend.CUDNN_ATTENTION])
+        print(f"L={L}: cuDNN alone, non-finite gradients: {not all_finite(*raw[1:])}")
+    except RuntimeError as e:  # no cuDNN kernel for this shape here: the hazard cannot arise either
+        print(f"L={L}: cuDNN alone not run ({str(e).splitlines()[0][:80]})")
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        sdpa_off_cudnn(DEV)
+        assert all_finite(*sdpa_with_grads(q, k, v, mask))
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("backend", ["default", "efficient", "math"])
+@pytest.mark.parametrize("L", [192, 200])  # 192 % 128 == 64
+def test_padding_queries_attending_themselves_are_finite_on_each_sdpa_backend(backend, L):
+    """A left-padded pass with model.self_attending_mask: no query row is fully masked, so every
+    backend the trainer may use gives finite outputs and gradients, and the real rows equal fp32
+    math's. Row 1 is left-padded by 3 tokens; head_dim 128 as Qwen2.5-3B's."""
+    backends = {"default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+                "math": [SDPBackend.MATH]}[backend]
+    torch.manual_seed(0)
+    B, H, D = 2, 4, 128
+    q, k, v = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    valid = torch.ones(B, L, dtype=torch.long, device=DEV)
+    valid[1, :3] = 0
+    sdpa_model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    mask = self_attending_mask(sdpa_model, valid)  # (B, 1, L, L) bool
+    assert mask.shape == (B, 1, L, L) and bool(mask.any(-1).all())
+    sdpa_off_cudnn(DEV)
+    out, gq, gk, gv = sdpa_with_grads(q, k, v, mask, backends)
+    assert all_finite(out, gq, gk, gv)
+    want = sdpa_with_grads(q.float(), k.float(), v.float(), mask, [SDPBackend.MATH])[0]
+    real = valid.bool()[:, None, :, None].expand_as(out)
+    assert (out.float() - want)[real].abs().max().item() < 2e-2  # bf16 against fp32
+
+
+# ---------------------------------------------------------------- the trainer's passes, on CUDA
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return build_tiny(str(tmp_path_factory.mktemp("gpu") / "tiny"))
+
+
+def grouped_rows(vocab, seed=0):
+    """Right-padded rows of 4 groups of 2: prompts of 5, 7, 2 and 65 tokens (the prompt pass then
+    has 64 keys, left-padded), completions of 1-70 tokens; their response mask, prompt lengths and
+    groups, on the device."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for P, lengths in [(5, [3, 6]), (7, [1, 4]), (2, [5, 2]), (65, [70, 9])]:
+        prompt = torch.randint(0, vocab, (P,), generator=g).tolist()
+        rows += [(prompt, torch.randint(0, vocab, (C,), generator=g).tolist()) for C in lengths]
+    L = max(len(p) + len(c) for p, c in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    attention = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L - 1)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)], attention[i, : len(p) + len(c)] = torch.tensor(p + c), 1
+        mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1
+    prompt_lens, groups = torch.tensor([len(p) for p, _ in rows]), torch.arange(len(rows)) // 2
+    return [t.to(DEV) for t in (ids, attention, mask, prompt_lens, groups)]
+
+
+def values_and_grads(model, fn, mask, bf16):
+    """Response-token logprobs and each parameter's gradient of a loss of logprobs and entropy."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(DEV, dtype=torch.bfloat16, enabled=bf16):
+        lp, ent = fn()
+    weights = torch.linspace(-1, 1, mask.shape[1], device=DEV)
+    ((lp * weights + 0.3 * ent) * mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (lp * mask).detach(), grads
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_prompt_forward_equals_the_padded_rows_on_the_device(tiny_folder, dtype,
+                                                                     checkpointing, fused):
+    """Each prompt once (a left-padded prompt pass, completions on its keys and values) against the
+    padded forward, as the trainer runs it on CUDA: equal in fp32 (1e-4), finite and close in bf16
+    autocast, with gradient checkpointing and the fused head."""
+    from model import sequence_logprobs, shared_prompt_logprobs
+
+    overrides = [f"--dtype={dtype}", f"--gradient_checkpointing={checkpointing}"]
+    _, model = load_policy(load_config(overrides=overrides), tiny_folder, DEV)
+    model.train()
+    ids, attention, mask, prompt_lens, groups = grouped_rows(model.config.vocab_size)
+    bf16 = dtype == "bfloat16"
+    def padded_pass():
+        return sequence_logprobs(model, ids, 0.7, False, attention_mask=attention)
+
+    def shared_pass():
+        return shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 0.7, fused)
+
+    padded = values_and_grads(model, padded_pass, mask, bf16)
+    shared = values_and_grads(model, shared_pass, mask, bf16)
+    assert shared[1].keys() == padded[1].keys() and len(padded[1]) > 0
+    assert all_finite(shared[0], *shared[1].values())
+    lp_err = (shared[0] - padded[0]).abs().max().item()
+    grad_err = max((shared[1][n] - g).abs().max().item() for n, g in padded[1].items())
+    print(f"{dtype} checkpointing={checkpointing} fused={fused}: logprob diff {lp_err:.1e}, "
+          f"grad diff {grad_err:.1e}")
+    if bf16:
+        assert ((shared[0] - padded[0]).abs().sum() / mask.sum()).item() < 0.05
+    else:
+        assert lp_err < 1e-4 and grad_err < 1e-4
+
+
+def test_hf_engine_prefill_of_left_padded_prompts_on_the_device(tiny_folder):
+    """The HF engine in bf16 on CUDA: prompts of 3 and 65 tokens decoded in one left-padded batch
+    give finite logprobs within the bf16 parity bound of the trainer's."""
+    from grpo import forward_logprobs, pad_batch
+    from rollout import HFEngine
+
+    cfg = load_config(overrides=["--dtype=bfloat16"])
+    tokenizer, policy = load_policy(cfg, tiny_folder, DEV)
+    prompts = [[5, 17, 42], list(range(10, 75))]
+    groups = HFEngine(policy, tokenizer, dtype="bfloat16").generate(
+        prompts, 3, seeds=[0, 1], temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16)
+    rows = [c for g in groups for c in g]
+    assert all(c.logprobs and all(math.isfinite(x) for x in c.logprobs) for c in rows)
+    ids, attention, mask, sampler_lp = (t.to(DEV) for t in pad_batch(rows, tokenizer.pad_token_id))
+    with torch.no_grad():
+        lp, _ = forward_logprobs(policy, ids, attention, cfg, 1.0)
+    assert ((lp - sampler_lp).abs() * mask).sum().item() / mask.sum().item() < cfg.parity_warn_eff
+
+
+def weight_sized_tensors_made(fn, numel):
+    """New tensors of at least `numel` elements that the ops run by fn() make (not views, in-place
+    or out= results)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            fresh = not (func.is_view or func._schema.name.endswith("_") or "out" in (kwargs or {}))
+            made.extend(t for t in (out if isinstance(out, (tuple, list)) else [out])
+                        if fresh and isinstance(t, torch.Tensor) and t.numel() >= numel)
+            return out
+
+    with Count():
+        fn()
+    return len(made)
+
+
+def test_fused_head_on_cuda_sums_the_weight_gradient_in_place(monkeypatch):
+    """On CUDA the fused head takes 2^27-logit chunks, and under bf16 autocast cuBLAS adds each
+    chunk's bf16 product into the fp32 weight gradient (addmm with out_dtype): the same two (V, H)
+    tensors (the bf16 weight copy and the gradient) for 1 chunk as for 6, and the gradient is the
+    bf16 operands' product summed in fp32 (summing in bf16 would be ~3e-3 off, rounding each
+    chunk's product to bf16 ~2e-3, in relative norm)."""
+    import loss
+    from loss import head_chunk, linear_logprobs_and_entropy
+
+    torch.manual_seed(0)
+    V, H, N = 8192, 2048, 1200  # a chunk's (N, V) buffers stay smaller than (V, H)
+    hidden = torch.randn(1, N, H, device=DEV)
+    weight = (torch.randn(V, H, device=DEV) * 0.05).requires_grad_()
+    tokens = torch.randint(0, V, (1, N), device=DEV)
+    h = hidden[0].bfloat16()
+    p = torch.softmax((h @ weight.detach().bfloat16().T).float(), -1)  # bf16 logits, as the head's
+    want = (F.one_hot(tokens[0], V) - p).bfloat16().float().T @ h.float()  # d sum(log p) / dW
+    chunks = []
+    apply = loss._LinearLogprobsEntropy.apply
+    spy = lambda *args: chunks.append(args[5]) or apply(*args)  # noqa: E731
+    monkeypatch.setattr(loss._LinearLogprobsEntropy, "apply", spy)
+    for chunk in (None, N // 6):
+        weight.grad = None
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            lp, _ = linear_logprobs_and_entropy(hidden, weight, tokens, chunk=chunk)
+        assert weight_sized_tensors_made(lambda: lp.sum().backward(), V * H) == 2
+        assert ((weight.grad - want).norm() / want.norm()).item() < 2e-4
+    assert chunks == [head_chunk("cuda", V), N // 6] and chunks[0] == 2**27 // V
+
+
+# ---------------------------------------------------------------- one real-shape update
+
+
+def test_3b_update_time_and_peak_memory_against_preflight():
+    """One countdown_3b update as `python grpo.py --config config/countdown_3b.py` runs it on one
+    GPU, on random weights of Qwen2.5-3B's shape: fp32 policy and reference, bf16 autocast,
+    checkpointing, the fused head, shared prompts, AdamW; a Countdown-shaped batch. Two steps (the
+    second with AdamW's moments): finite, and the peak within pre-flight's estimate."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo import Passes, accumulate_gradients, batch_logprobs, optimizer_step, prepare_update
+    from preflight import SHAPES, estimate_memory, update_peak
+
+    try:
+        from bench import batch_shape, synthetic_batch
+    except ImportError:  # the benchmarks kept under dev/
+        from dev.bench import batch_shape, synthetic_batch
+
+    cfg = load_config(os.path.join(ROOT, "config", "countdown_3b.py"))
+    shape = SHAPES[cfg.model]
+    estimate = update_peak(estimate_memory(cfg, shape))
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    if total < estimate + 2:
+        pytest.skip(f"pre-flight's {estimate:.0f} GiB does not fit this {total:.0f} GiB GPU")
+    sdpa_off_cudnn(DEV)  # as load_policy does
+    torch.manual_seed(0)
+    with torch.device(DEV):  # qkv biases, as Qwen2.5's
+        policy = Qwen2ForCausalLM(Qwen2Config(**shape, max_position_embeddings=4096)).float()
+    policy.gradient_checkpointing_enable()
+    policy.config.use_cache = False
+    policy.train()
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)  # fp32 on the device (build_models)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas,
+                                  weight_decay=cfg.weight_decay)
+    prompt_lens, completion_lens = batch_shape(cfg, None, "countdown")
+    batch = synthetic_batch(cfg, range(shape["vocab_size"]), prompt_lens, completion_lens)
+    ub = prepare_update(batch, torch.randn(len(batch)), cfg, 0, DEV)
+    state = SimpleNamespace(beta=cfg.beta)
+    peaks = []
+    for step in range(2):
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        passes = Passes(ref=batch_logprobs(ref, ub, cfg, cfg.temperature)[0])
+        loss = accumulate_gradients(policy, ub, ub.minis[0], passes, cfg, cfg.temperature, state,
+                                    {}, None, "")
+        grad_norm, stepped = optimizer_step(optimizer, params, loss, cfg.grad_clip)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+        print(f"step {step}: {time.perf_counter() - start:.1f} s, loss {loss:.4g}, grad_norm "
+              f"{float(grad_norm):.4g}, peak {peaks[-1]:.1f} GiB allocated (pre-flight "
+              f"{estimate:.1f} GiB; {int(ub.tokens)} tokens, {len(ub.micro)} micro-batches)")
+        assert stepped and math.isfinite(loss) and math.isfinite(float(grad_norm))
+    del policy, ref, optimizer, params, passes, ub
+    torch.cuda.empty_cache()  # for the vLLM engines' processes after this test
+    assert max(peaks) <= estimate  # pre-flight is not low
+    assert max(peaks) > 0.8 * estimate  # nor far too high
+
+
+# ---------------------------------------------------------------- vLLM on the device
+
+
+def vllm_on_the_device(folder, level, out):
+    """Run as a script (one engine per process): a VLLMEngine at sleep level `level`, woken, pushed
+    the policy's weights, sampled; put to sleep; the policy perturbed and pushed between the two
+    wakes; sampled again. Writes the trainer's parity gaps and the samples as JSON to `out`."""
+    from grpo import forward_logprobs, pad_batch
+    from model import push_weights_iter
+    from rollout import VLLMEngine
+
+    cfg = load_config(overrides=["--model=tiny", "--dtype=bfloat16", f"--vllm_sleep_level={level}",
+                                 "--gpu_memory_utilization=0.2", "--max_prompt_len=64",
+                                 "--max_completion_len=24", "--seed=0"])
+    tokenizer, policy = load_policy(cfg, folder, DEV)
+    texts = ("Write only digits, like 4 2 7:", "<think> 1 + 2")
+    prompts = [tokenizer(text).input_ids for text in texts]
+
+    def sample(seeds, temperature=1.0):  # greedy: one completion a prompt (vLLM's rule)
+        n = 4 if temperature else 1
+        return engine.generate(prompts, n, seeds=seeds, temperature=temperature, top_p=1.0,
+                               top_k=-1, max_tokens=24)
+
+    def gap(groups):  # mean |sampler logprob - trainer logprob| over the sampled tokens
+        rows = [c for g in groups for c in g]
+        padded = pad_batch(rows, tokenizer.pad_token_id)
+        ids, attention, mask, sampler_lp = (t.to(DEV) for t in padded)
+        with torch.no_grad():
+            lp, _ = forward_logprobs(policy, ids, attention, cfg, 1.0)
+        return ((lp - sampler_lp).abs() * mask).sum().item() / mask.sum().item()
+
+    def ids(groups):
+        return [[c.completion_ids for c in g] for g in groups]
+
+    engine = VLLMEngine(folder, cfg, DEV)
+    engine.wake(push_weights_iter(policy))
+    first = sample([0, 1])
+    result = {"gap_first": gap(first), "seeds_01": ids(first),
+              "seeds_01_again": ids(sample([0, 1])), "seeds_23": ids(sample([2, 3])),
+              "greedy_first": ids(sample([0, 1], 0.0))}
+    awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    result["freed_gib"] = (torch.cuda.mem_get_info()[0] - awake) / 2**30
+    with torch.no_grad():  # a new policy, pushed between the two wakes
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    result["gap_stale"] = gap(first)  # the first samples against the new policy: the check can fail
+    engine.wake(push_weights_iter(policy))
+    second = sample([0, 1])
+    result.update(gap_second=gap(second), greedy_second=ids(sample([0, 1], 0.0)))
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(tiny_folder, tmp_path_factory):
+    """vllm_on_the_device at sleep levels 0, 1 and 2, each in its own process; their results."""
+    pytest.importorskip("vllm")
+    torch.cuda.empty_cache()  # what this process's allocator keeps, the engines can use
+    out = tmp_path_factory.mktemp("vllm")
+    runs = {}
+    for level in (0, 1, 2):
+        path = out / f"level{level}.json"
+        cmd = [sys.executable, os.path.abspath(__file__), tiny_folder, str(level), str(path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        runs[level] = json.loads(path.read_text())
+    return runs
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_vllm_sleep_level_wake_push_wake(vllm_runs, level):
+    """R1 + R2 on the device: after sleep (level 1 offloads the weights, 2 drops them) the weights
+    pushed between waking the weights and waking the KV cache are the ones that sample."""
+    run = vllm_runs[level]
+    bound = load_config(overrides=["--dtype=bfloat16"]).parity_warn_eff
+    assert run["gap_first"] < bound and run["gap_second"] < bound  # the trainer's own weights
+    assert run["gap_stale"] > 3 * bound  # against weights it does not hold, the gap shows
+    assert run["greedy_second"] != run["greedy_first"]
+    if level > 0:  # asleep, the KV cache (and at level 2 the weights) went back to the GPU
+        assert run["freed_gib"] > 1.0
+
+
+def test_vllm_per_request_seeds_are_reproducible(vllm_runs):
+    """On a GPU each request carries its seed: the same seeds give the same samples, other seeds
+    other samples, whatever ran in between."""
+    run = vllm_runs[0]
+    assert run["seeds_01"] == run["seeds_01_again"]
+    assert run["seeds_01"] != run["seeds_23"]
+
+
+if __name__ == "__main__":  # python tests/test_gpu.py FOLDER LEVEL OUT: one vLLM engine's process
+    vllm_on_the_device(sys.argv[1], int(sys.argv[2]), sys.argv[3])
