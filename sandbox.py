@@ -93,11 +93,13 @@ def _trees():
 
 
 def _package_dirs(trees):
-    """Every *-packages folder in the bound trees (the base Python's, /usr/lib/python3/dist-packages...)."""
+    """Every *-packages folder in the bound trees: the base Python's, /usr/lib/python3/dist-packages, a
+    Python bundled deep in /usr/lib... (one walk, ~1 s for a /usr of 15k folders, once per process)."""
     found = {p for p in sys.path if p.endswith("-packages")}
     for tree in trees:
-        for pattern in ("lib*/python*/*-packages", "local/lib*/python*/*-packages"):
-            found.update(glob.glob(os.path.join(tree, pattern)))
+        for folder, subfolders, _ in os.walk(tree):
+            found.update(os.path.join(folder, d) for d in subfolders if d.endswith("-packages"))
+            subfolders[:] = [d for d in subfolders if not d.endswith("-packages")]
     real = {os.path.realpath(p) for p in found if os.path.isdir(p)}
     return sorted(p for p in real if any(_under(p, t) for t in trees))
 

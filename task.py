@@ -247,13 +247,12 @@ def _child(reward, jobs, conn, parent):
 def _live_children():
     """{pid: [its live children]} of every process, from /proc (Linux; {} elsewhere)."""
     children = {}
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+    for name in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         try:
             with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:  # not a process, or gone
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # the name in (...) may hold spaces
+        except (OSError, IndexError, ValueError):  # gone meanwhile
             continue
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]  # the name in (...) may hold spaces
         if state not in "ZX":
             children.setdefault(int(ppid), []).append(int(name))
     return children
@@ -263,18 +262,20 @@ def end_tree(root, with_root=False):
     """SIGKILL every live process below `root` (and root itself if with_root). Each is stopped first, so none
     can fork or die (and so leave the tree) while the tree is read; then all are killed at once."""
     stopped = {root} if with_root else set()
-    _signal(stopped, signal.SIGSTOP)
-    while True:
-        children, todo, below = _live_children(), [root], set()
-        while todo:
-            kids = children.get(todo.pop(), [])
-            below.update(kids)
-            todo += kids
-        if not below - stopped:
-            break
-        _signal(below - stopped, signal.SIGSTOP)
-        stopped |= below
-    _signal(stopped, signal.SIGKILL)
+    try:
+        _signal(stopped, signal.SIGSTOP)
+        while True:
+            children, todo, below = _live_children(), [root], set()
+            while todo:
+                kids = children.get(todo.pop(), [])
+                below.update(kids)
+                todo += kids
+            if not below - stopped:
+                break
+            _signal(below - stopped, signal.SIGSTOP)
+            stopped |= below
+    finally:  # a stopped process is never left behind
+        _signal(stopped, signal.SIGKILL)
 
 
 def _signal(pids, sig):
