@@ -1,25 +1,26 @@
 """The sandbox: run the model's Python code in a child process that can reach nothing of ours.
 
-Standard library only and nothing from the project, so any interpreter can import this file. The best of
-three tiers the machine gives is used; `ALLOWED` (set once from the `sandbox` setting, before the reward
-workers fork) is the weakest a call may use: below it a call fails, it never runs the code unsandboxed.
+Standard library only, nothing from the project: any interpreter can import this file. A call uses
+the best of three tiers the machine gives; `ALLOWED` (set once from the `sandbox` setting, before
+the reward workers fork) is the weakest it may use. Below it a call fails: no code runs unsandboxed.
 
-    full        network, PID and mount namespaces; a uid of its own (as root); a file view that holds only
-                /usr (/bin, /lib...) and Python's installation with every *-packages folder hidden, /dev/null,
-                /dev/zero, /dev/urandom, its own /proc and a private /tmp: no /etc, /home, project or data
-    namespaces  the namespaces, a uid of its own and a private /tmp, but every world-readable file readable
+    full        network, PID and mount namespaces; a uid of its own (as root); a file view holding
+                only /usr (/bin, /lib...) and Python's installation with every *-packages folder
+                hidden, /dev/null, /dev/zero, /dev/urandom, its own /proc and a private /tmp:
+                no /etc, /home, project or data
+    namespaces  the namespaces, a uid of its own, a private /tmp; every world-readable file readable
     none        a plain child process: the network and every file this user can read
 
-Every tier: the base interpreter run by its real path with -I (the standard library is all the code needs),
-limits per process (address space, CPU seconds, file size, no core), a deadline on every wait, at most a
-fixed number of bytes read from the child, and nothing left running when a call ends or its caller dies:
-the process group is killed, the first process of a PID namespace takes the rest with it, and each link
-(caller -> unshare -> the sandbox) carries a parent-death signal. Memory and processes are bounded per
-sandbox, not per process: as root by a cgroup of its own (memory and pids; cgroup v2 where its controllers
-are enabled, else v1), else only by RLIMIT_AS per process times RLIMIT_NPROC (8 processes; counted per
-sandbox as root, by its own uid, and in a user namespace; per user elsewhere).
-Not contained: a kernel exploit, what /usr and the standard library reveal (the OS, not our data), CPU
-use of the machine within the CPU-seconds limit, and, in the weaker tiers, what their lines above leave.
+Every tier: the base interpreter by its real path with -I (the code needs just the stdlib),
+limits per process (address space, CPU seconds, file size, no core), a deadline on every wait, a cap
+on the bytes read from the child, and nothing left running when a call ends or its caller dies: the
+process group is killed, the first process of a PID namespace takes the rest with it, and each link
+(caller -> unshare -> sandbox) carries a parent-death signal. Memory and processes are bounded per
+sandbox: as root by a cgroup of its own (memory and pids; cgroup v2 where it has those controllers,
+else v1); elsewhere only per process, RLIMIT_AS times RLIMIT_NPROC of 8 (counted per sandbox in a
+user namespace of its own, or by its own uid as root; else per user).
+Not contained: a kernel exploit, what /usr and the standard library show (the OS, not our data), CPU
+time within the CPU-seconds limit, and in the weaker tiers what their lines above leave open.
 """
 
 import contextlib
@@ -40,33 +41,35 @@ import time
 
 TIERS = ("none", "namespaces", "full")  # weakest first
 GIVES = {"full": "no network, no file but the OS and Python's standard library",
-         "namespaces": "no network, but the code can read every world-readable file (the project, its data)",
-         "none": "no isolation: the code runs as this user, with the network and every file it can read"}
-ALLOWED = "full"  # the weakest tier a call may run in; a process that never sets it gets the strictest
-ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}  # no secrets from our environment
+         "namespaces": "no network, but the code reads every world-readable file (project, data)",
+         "none": "no isolation: the code runs as this user, with the network and every file"}
+ALLOWED = "full"  # the weakest tier a call may use; a process that never sets it gets the strictest
+ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}  # no secret of our environment
 MAX_RESULT_BYTES = 1 << 20  # run_tests reads at most this much of the harness's output
-UID_BASE = 1 << 30  # as root each sandbox runs as its own uid from here: UID_BASE + pid * 64 + (a count % 64)
+UID_BASE = 1 << 30  # as root, a sandbox's own uid: UID_BASE + caller's pid * 64 + a count % 64
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+DEVICES = ("null", "zero", "urandom")
 _COUNT = itertools.count()
-_BEST = None  # (tier, why a stronger one failed), probed once per process: best()
-_CGROUPS = None  # {controller: (cgroup version, folder to make sandboxes' cgroups in)}: _cgroup_bases()
+_BEST = None  # (tier, why the stronger ones failed), probed once per process: best()
+_CGROUPS = None  # {controller: (cgroup version, our cgroup's folder)}: _cgroup_bases()
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 class SandboxError(RuntimeError):
-    """The sandbox tier ALLOWED cannot be had here; the message says why and what to do."""
+    """The tier ALLOWED cannot be had here; the message says why and what to do."""
 
 
 def die_with_parent(parent):
-    """Linux: SIGKILL this process when its parent dies (kill -9 included); now if `parent` is already gone."""
+    """Linux: SIGKILL this process when its parent dies (by kill -9 too); now if it already has."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != parent:  # it died between our fork and the prctl: the signal will never come
+    if os.getppid() != parent:  # it died between the fork and the prctl: no signal will come
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def become_subreaper():
-    """Linux: orphans of this process's descendants (even double-forked, setsid daemons) become its children."""
+    """Linux: orphaned descendants (a double-forked daemon too) become this process's children."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1)
 
@@ -79,22 +82,22 @@ def _under(path, tree):
 
 
 def _interpreter():
-    """The base interpreter's real path: a venv's python (or a symlink to it) may not exist in the view."""
+    """The base interpreter's real path: a venv's python, or a symlink to it, is not in the view."""
     return os.path.realpath(getattr(sys, "_base_executable", "") or sys.executable)
 
 
 @functools.cache
 def _trees():
-    """The host folders the view binds read-only: the OS's programs and libraries, and Python's installation."""
-    trees = {d for d in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-             if os.path.isdir(d) and not os.path.islink(d)}
-    trees |= {os.path.realpath(d) for d in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(_interpreter()))}
-    return sorted(t for t in trees if not any(_under(t, u) for u in trees if u != t))
+    """The host folders the view binds read-only: the OS's programs and libraries, and Python."""
+    trees = {d for d in SYSTEM if os.path.isdir(d) and not os.path.islink(d)}
+    python = (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(_interpreter()))
+    trees |= {os.path.realpath(d) for d in python}
+    return tuple(sorted(t for t in trees if not any(_under(t, u) for u in trees if u != t)))
 
 
 def _package_dirs(trees):
-    """Every *-packages folder in the bound trees: the base Python's, /usr/lib/python3/dist-packages, a
-    Python bundled deep in /usr/lib... (one walk, ~1 s for a /usr of 15k folders, once per process)."""
+    """Every *-packages folder in the trees: the base Python's, /usr/lib/python3/dist-packages, a
+    Python bundled deep in /usr/lib... (one walk: ~1 s for 15k folders, once per process)."""
     found = {p for p in sys.path if p.endswith("-packages")}
     for tree in trees:
         for folder, subfolders, _ in os.walk(tree):
@@ -106,43 +109,48 @@ def _package_dirs(trees):
 
 @functools.cache
 def _file_view():
-    """Shell lines that build the sandbox's filesystem on a fresh tmpfs and make it the root (pivot_root).
+    """Shell lines that build the sandbox's filesystem on a fresh tmpfs and pivot_root into it.
 
-    The tmpfs is mounted on a folder that holds none of the bound trees and lies in none (a venv or Python
-    may live under /tmp), and the private /tmp is mounted before the binds, so nothing bound is hidden.
+    The tmpfs goes on a folder that neither holds nor lies in a bound tree (a venv, even Python, may
+    live under /tmp), and the private /tmp is mounted before the binds: nothing bound is hidden.
     """
     q, trees = shlex.quote, _trees()
-    stage = next((d for d in ("/tmp", "/mnt", "/media", "/srv", "/opt", "/var/tmp", "/run", "/dev/shm")
-                  if os.path.isdir(d) and os.path.realpath(d) == d
-                  and not any(_under(t, d) or _under(d, t) for t in trees)), None)
-    if stage is None:
-        raise SandboxError(f"no folder to build the file view in apart from Python's installation {trees}")
-    lines = ["set -e", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", f"mount -t tmpfs -o size=64m tmpfs {q(stage)}",
-             f"cd {q(stage)}", "mkdir dev proc tmp old", "mount -t tmpfs -o size=64m tmpfs tmp"]
+    stages = [d for d in ("/tmp", "/mnt", "/media", "/srv", "/opt", "/var/tmp", "/run", "/dev/shm")
+              if os.path.isdir(d) and os.path.realpath(d) == d
+              and not any(_under(t, d) or _under(d, t) for t in trees)]
+    if not stages:
+        raise SandboxError(f"no folder to build the file view in, apart from {trees}")
+    stage = q(stages[0])
+    lines = ["set -e", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+             f"mount -t tmpfs -o size=64m tmpfs {stage}",
+             f"cd {stage}", "mkdir dev proc tmp old", "mount -t tmpfs -o size=64m tmpfs tmp"]
     lines += [f"mkdir -p {q('.' + t)} && mount --rbind -o ro {q(t)} {q('.' + t)}" for t in trees]
-    lines += [f"ln -s {q(os.readlink(d))} .{d}" for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-              if os.path.islink(d)]  # a merged-/usr system: /lib -> usr/lib
+    # a merged-/usr system: /lib -> usr/lib
+    lines += [f"ln -s {q(os.readlink(d))} .{d}" for d in SYSTEM if os.path.islink(d)]
     # installed packages: hidden (the harness needs the standard library only)
     lines += [f"mount -t tmpfs -o ro,size=1m tmpfs {q('.' + p)}" for p in _package_dirs(trees)]
-    lines += [f"touch dev/{d} && mount --bind /dev/{d} dev/{d}" for d in ("null", "zero", "urandom")]
+    lines += [f"touch dev/{d} && mount --bind /dev/{d} dev/{d}" for d in DEVICES]
     # the old root is detached once /proc (which umount reads) is the sandbox's own
-    return "; ".join(lines + ["pivot_root . old", "mount -t proc proc /proc", "umount -l /old", "rmdir /old"])
+    return "; ".join([*lines, "pivot_root . old", "mount -t proc proc /proc", "umount -l /old",
+                      "rmdir /old"])
 
 
 def _command(tier, uid):
     """The argv prefix that runs a program in `tier`, as `uid` when we are root."""
     if tier == "none":
         return []
-    root = os.geteuid() == 0
-    drop = "exec"  # not root: in a user namespace of its own, whose root is this user
-    if root:  # the kernel clears a parent-death signal on a uid change: setpriv sets it again after it
-        drop += f" {shutil.which('setpriv')} --reuid={uid} --regid={uid} --clear-groups --pdeathsig=KILL"
-    private = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if not any(_under(t, d) for t in _trees())]
-    setup = _file_view() if tier == "full" else "; ".join(f"mount -t tmpfs -o size=64m tmpfs {d}" for d in private)
+    root, drop = os.geteuid() == 0, "exec"  # not root: in a user namespace, whose root is this user
+    if root:  # the kernel clears a parent-death signal on a uid change: setpriv sets it again after
+        setpriv = shutil.which("setpriv")
+        drop += f" {setpriv} --reuid={uid} --regid={uid} --clear-groups --pdeathsig=KILL"
+    private = [d for d in ("/tmp", "/var/tmp", "/dev/shm")
+               if not any(_under(t, d) for t in _trees())]
+    mounts = "; ".join(f"mount -t tmpfs -o size=64m tmpfs {d}" for d in private)
+    setup = _file_view() if tier == "full" else mounts
     # --kill-child + --pid: when the sandbox's first process dies, the kernel kills all it forked
-    unshare = [shutil.which("unshare") or "unshare", *([] if root else ["--map-root-user"]), "--net", "--pid",
+    unshare = [shutil.which("unshare"), *([] if root else ["--map-root-user"]), "--net", "--pid",
                "--fork", "--kill-child", "--mount-proc"]
-    return [*unshare, shutil.which("sh") or "/bin/sh", "-c", f'{setup}; cd /tmp && {drop} "$@"', "sandbox"]
+    return [*unshare, shutil.which("sh"), "-c", f'{setup}; cd /tmp && {drop} "$@"', "sandbox"]
 
 
 def _probe(tier):
@@ -152,16 +160,19 @@ def _probe(tier):
     for tool in ("unshare", "setpriv") if os.geteuid() == 0 else ("unshare",):
         if not shutil.which(tool):
             return f"util-linux's {tool} is not installed"
+    if not shutil.which("sh"):
+        return "no sh on PATH"
     try:
         cmd = [*_command(tier, UID_BASE), _interpreter(), "-I", "-c", "pass"]
         probe = subprocess.run(cmd, capture_output=True, timeout=30, env=ENV, cwd="/tmp")
     except (SandboxError, OSError, subprocess.TimeoutExpired) as e:
         return str(e)
-    return None if probe.returncode == 0 else probe.stderr.decode(errors="replace").strip()[-300:] or "it failed"
+    said = probe.stderr.decode(errors="replace").strip()[-300:]
+    return None if probe.returncode == 0 else said or f"exit code {probe.returncode}"
 
 
 def best():
-    """(the strongest tier this machine gives, why each stronger tier failed); probed once per process."""
+    """(the strongest tier this machine gives, why each stronger one failed), probed once."""
     global _BEST
     if _BEST is None:
         tier, why = "none", []
@@ -175,40 +186,39 @@ def best():
     return _BEST
 
 
-# ---------------------------------------------------------------- cgroups: memory and processes per sandbox
+# ---------------------------------------------------------------- cgroups: limits per sandbox
 
 
 def _cgroup_bases():
-    """{"memory"/"pids": (version, our cgroup's folder)} where we may make a child cgroup (root only), probed once.
-
-    Stale cgroups of a process that died (killed mid-call) are removed here."""
+    """{"memory" / "pids": (version, our cgroup's folder)} where we may make child cgroups (root
+    only); probed once per process, when stale cgroups of a caller that died are removed."""
     global _CGROUPS
-    if _CGROUPS is None:
-        _CGROUPS = {}
-        if sys.platform != "linux" or os.geteuid() != 0:
-            return _CGROUPS
-        with open("/proc/self/cgroup") as f:  # "id:controllers:path", v2 as "0::path"
-            ours = {c: path for _, cs, path in (line.rstrip("\n").split(":", 2) for line in f) for c in cs.split(",")}
-        with open("/proc/self/mountinfo") as f:
-            mounts = [line.split() for line in f]
-        v1, v2 = {}, {}
-        for m in mounts:
-            root, point, kind, options = m[3], m[4], m[m.index("-") + 1], m[m.index("-") + 3].split(",")
-            controllers = ["memory", "pids"] if kind == "cgroup2" else [c for c in ("memory", "pids") if c in options]
-            for c in controllers:
-                path = ours.get("" if kind == "cgroup2" else c)
-                if path is None or not _under(path, root):
-                    continue
-                base = os.path.join(point, os.path.relpath(path, root))
-                if kind == "cgroup" and os.access(base, os.W_OK):
-                    v1[c] = (1, base)
-                elif kind == "cgroup2" and c in _read(base, "cgroup.subtree_control").split():
-                    v2[c] = (2, base)
-        _CGROUPS = {**v1, **v2}
-        for _, base in _CGROUPS.values():  # ours from a process that is gone
-            for stale in glob.glob(os.path.join(base, "grpo-sandbox-*-*")):
-                if not os.path.exists(f"/proc/{stale.rsplit('-', 2)[1]}"):
-                    _remove_cgroup(stale)
+    if _CGROUPS is not None:
+        return _CGROUPS
+    _CGROUPS, v1, v2 = {}, {}, {}
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return _CGROUPS
+    with open("/proc/self/cgroup") as f:  # "id:controllers:path", cgroup v2 as "0::path"
+        lines = [line.rstrip("\n").split(":", 2) for line in f]
+    ours = {c: path for _, controllers, path in lines for c in controllers.split(",")}
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    for m in mounts:
+        root, point, kind, options = m[3], m[4], m[m.index("-") + 1], m[m.index("-") + 3]
+        for c in ("memory", "pids"):
+            path = ours.get("" if kind == "cgroup2" else c)
+            if path is None or not _under(path, root):
+                continue
+            base = os.path.normpath(os.path.join(point, os.path.relpath(path, root)))
+            if kind == "cgroup" and c in options.split(",") and os.access(base, os.W_OK):
+                v1[c] = (1, base)
+            elif kind == "cgroup2" and c in _read(base, "cgroup.subtree_control").split():
+                v2[c] = (2, base)
+    _CGROUPS = {**v1, **v2}
+    for _, base in _CGROUPS.values():
+        for stale in glob.glob(os.path.join(base, "grpo-sandbox-*-*")):
+            if not os.path.exists(f"/proc/{stale.rsplit('-', 2)[1]}"):
+                _remove_cgroup(stale)
     return _CGROUPS
 
 
@@ -226,26 +236,25 @@ def _write(folder, name, value):
 
 
 def _make_cgroups(memory_mb, procs):
-    """A cgroup (one folder per hierarchy) that bounds one sandbox's memory and processes; [] where none."""
+    """Folders of a new cgroup (one per hierarchy) bounding a sandbox's memory and processes."""
     folders, name = {}, f"grpo-sandbox-{os.getpid()}-{next(_COUNT)}"
     for controller, (version, base) in _cgroup_bases().items():
-        folder = os.path.join(base, name)
-        folders.setdefault(folder, (version, []))[1].append(controller)
+        folders.setdefault(os.path.join(base, name), (version, set()))[1].add(controller)
     for folder, (version, controllers) in folders.items():
         os.makedirs(folder, exist_ok=True)
         if "pids" in controllers:
             _write(folder, "pids.max", procs)
-        if "memory" in controllers:  # no swap either, where the kernel accounts it
-            limit = memory_mb << 20
-            for name in (["memory.max", "memory.swap.max"] if version == 2 else
-                         ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]):
-                if os.path.exists(os.path.join(folder, name)):
-                    _write(folder, name, 0 if name == "memory.swap.max" else limit)
+        size = memory_mb << 20
+        limits = {"memory.max": size, "memory.swap.max": 0} if version == 2 else \
+            {"memory.limit_in_bytes": size, "memory.memsw.limit_in_bytes": size}
+        for file, limit in limits.items() if "memory" in controllers else ():
+            if os.path.exists(os.path.join(folder, file)):  # swap only where the kernel counts it
+                _write(folder, file, limit)
     return list(folders)
 
 
 def _remove_cgroup(folder):
-    """Kill what is left in a sandbox's cgroup and remove it (a few tries: the killed take a moment to go)."""
+    """Kill what is left in a sandbox's cgroup and remove it (the killed take a moment to go)."""
     for _ in range(200):
         for pid in _read(folder, "cgroup.procs").split():
             with contextlib.suppress(ProcessLookupError):
@@ -260,25 +269,26 @@ def _remove_cgroup(folder):
 
 
 def _start(harness, stderr, timeout, memory_mb):
-    """Start `harness` in the best tier allowed: (process, its cgroups, the limits it sets on itself)."""
+    """Start `harness` in the best tier: (process, its cgroups, the limits it sets on itself)."""
     tier, why = best()
     if TIERS.index(tier) < TIERS.index(ALLOWED):
-        raise SandboxError(f"the {ALLOWED} sandbox cannot be built here ({why}); set sandbox={tier} to accept "
-                           f"{GIVES[tier]}")
-    procs = 64 if "memory" in _cgroup_bases() else 8  # without a memory cgroup: AS x NPROC bounds the memory
-    limits = {"RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": 1 << 20, "RLIMIT_NPROC": procs, "RLIMIT_CORE": 0,
-              "RLIMIT_CPU": math.ceil(timeout) + 1}
+        raise SandboxError(f"the {ALLOWED} sandbox cannot be built here ({why}); set "
+                           f"sandbox={tier} to accept {GIVES[tier]}")
+    procs = 64 if "memory" in _cgroup_bases() else 8  # else RLIMIT_AS x procs bounds the memory
+    limits = {"RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": 1 << 20, "RLIMIT_NPROC": procs,
+              "RLIMIT_CORE": 0, "RLIMIT_CPU": math.ceil(timeout) + 1}
     cgroups, parent = _make_cgroups(memory_mb, procs), os.getpid()
 
-    def enter():  # in the child, before exec: everything the sandbox starts is in its cgroups
+    def enter():  # in the child before exec: all the sandbox starts is in its cgroups
         die_with_parent(parent)
         for folder in cgroups:
             _write(folder, "cgroup.procs", os.getpid())
 
-    argv = [*_command(tier, UID_BASE + parent * 64 + next(_COUNT) % 64), _interpreter(), "-I", "-c", harness]
+    uid = UID_BASE + parent * 64 + next(_COUNT) % 64
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=ENV,
-                                cwd="/tmp", start_new_session=True, preexec_fn=enter)
+        proc = subprocess.Popen([*_command(tier, uid), _interpreter(), "-I", "-c", harness],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                env=ENV, cwd="/tmp", start_new_session=True, preexec_fn=enter)
     except BaseException:
         for folder in cgroups:
             _remove_cgroup(folder)
@@ -287,10 +297,10 @@ def _start(harness, stderr, timeout, memory_mb):
 
 
 def _exchange(proc, data, deadline, cap):
-    """Write `data` to the process, read its output until it exits, `cap` bytes or the deadline.
+    """Write `data` to the process; read its output until it exits, `cap` bytes or the deadline.
 
-    Returns (output, how): how is "done" (it exited), "output limit" or "timed out". Never reaps the process,
-    so its process group cannot be a stranger's when _end kills it."""
+    Returns (output, how): how is "done" (it exited), "output limit" or "timed out". It never
+    reaps the process, so the process group _end kills cannot be a stranger's."""
     out, todo = bytearray(), memoryview(data)
     os.set_blocking(proc.stdin.fileno(), False)
     while time.monotonic() < deadline:
@@ -311,19 +321,17 @@ def _exchange(proc, data, deadline, cap):
             out += chunk
             if len(out) > cap:
                 return bytes(out[:cap]), "output limit"
-            if not chunk:  # end of output; code that closed it and sleeps still meets the deadline
-                while time.monotonic() < deadline:
-                    if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
-                        return bytes(out), "done"
-                    time.sleep(0.01)
+            while not chunk and time.monotonic() < deadline:  # closed: it may still run, and sleep
+                if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+                    return bytes(out), "done"
+                time.sleep(0.01)
     return bytes(out), "timed out"
 
 
 def _end(proc, cgroups):
     """Kill whatever is left of the sandbox, reap it, remove its cgroups."""
-    if proc.returncode is None:  # not reaped: its pid (and so its process group) is still ours
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # --kill-child then takes down the PID namespace
+    with contextlib.suppress(ProcessLookupError):  # not reaped yet, so the group is still ours
+        os.killpg(proc.pid, signal.SIGKILL)  # --kill-child then takes down the PID namespace
     for folder in cgroups:
         _remove_cgroup(folder)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -333,9 +341,9 @@ def _end(proc, cgroups):
             pipe.close()
 
 
-# Runs inside the sandbox. The job (the code and each test's steps: inputs only, never an expected value)
-# arrives on stdin, so nothing is written to disk. User output goes to /dev/null; each test's values go,
-# one JSON line per test, to a private copy of stdout. What the code prints there is only its own output.
+# Runs inside the sandbox. The job (the code, and each test's steps: inputs only, no expected value)
+# arrives on stdin, so nothing is written to disk. User output goes to /dev/null; each test's values
+# go, one JSON line per test, to a private copy of stdout: what the code writes there is its output.
 HARNESS = r"""
 import json, os, resource, sys
 job = json.loads(sys.stdin.read())
@@ -345,7 +353,7 @@ os.dup2(null, 0); os.dup2(null, 1); os.dup2(null, 2)
 for name, limit in job["limits"].items():
     resource.setrlimit(getattr(resource, name), (limit, limit))
 exact = type
-def encode(x):  # exact builtin types only, tuples and sets tagged: an object whose __eq__ says True stays here
+def encode(x):  # exact builtin types, tuples and sets tagged: an object whose == lies stays here
     if x is None or exact(x) in (bool, int, float, str): return x
     if exact(x) is list: return [encode(v) for v in x]
     if exact(x) in (tuple, set): return {exact(x).__name__: [encode(v) for v in x]}
@@ -374,23 +382,22 @@ for i, steps in enumerate(job["tests"]):
 
 
 def decode(x):
-    """A value from the harness's JSON form, built of exact builtin types only; raises on anything else."""
+    """A value from the harness's JSON, of exact builtin types only; raises on anything else."""
     if x is None or type(x) in (bool, int, float, str):
         return x
     if type(x) is list:
         return [decode(v) for v in x]
     [(kind, items)] = x.items()
-    items = [decode(v) for v in items] if type(items) is list else None
-    return {"tuple": tuple, "set": set, "dict": dict}[kind](items)
+    return {"tuple": tuple, "set": set, "dict": dict}[kind]([decode(v) for v in items])
 
 
 def run_tests(code, tests, timeout=5.0, memory_mb=512):
-    """Run `code`, then each test's steps, in the sandbox: per test the values of its "eval" steps, or None.
+    """Run `code`, then each test's steps, in the sandbox: per test its eval steps' values, or None.
 
-    tests: per test a list of steps ("exec", statement) or ("eval", expression), run in order in the code's
-    namespace. None: a step raised, a value was not plain (int, float, str, bool, None, list, tuple, dict,
-    set), the line was missing or malformed, or the sandbox ran past `timeout` (W1: then every test fails).
-    Only these inputs enter the sandbox; what the values are compared with stays with the caller.
+    tests: per test a list of steps ("exec", statement) or ("eval", expression), run in order in the
+    code's namespace. None: a step raised, a value was not plain (int, float, str, bool, None,
+    list, tuple, dict, set), the line was missing or malformed, or the run passed `timeout` (W1:
+    then every test fails). Only these inputs enter the sandbox; the caller compares the values.
     Raises SandboxError where the tier ALLOWED cannot be had.
     """
     proc, cgroups, limits = _start(HARNESS, subprocess.DEVNULL, timeout, memory_mb)
@@ -405,15 +412,16 @@ def run_tests(code, tests, timeout=5.0, memory_mb=512):
             i, values = json.loads(line)
             values = [decode(v) for v in values] if type(values) is list else None
         except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
-            continue  # a line cut at the output limit, or one the code wrote: that test has no result
-        if type(i) is int and 0 <= i < len(tests) and results[i] is None and values is not None \
-                and len(values) == sum(kind == "eval" for kind, _ in tests[i]):
-            results[i] = values
+            continue  # a line cut at the output limit, or one the code wrote: no result
+        if values is None or type(i) is not int or not 0 <= i < len(tests):
+            continue
+        if results[i] is None and len(values) == sum(kind == "eval" for kind, _ in tests[i]):
+            results[i] = values  # a test's first line with its values counts
     return results
 
 
-# Runs inside the sandbox: the code arrives on stdin; what it prints is the tool's output. An exception
-# prints one line (its type and message), not a traceback of the harness.
+# Runs inside the sandbox: the code arrives on stdin; what it prints is the tool's output. An
+# exception prints one line (its type and message), not a traceback of the harness.
 TOOL_HARNESS = r"""
 import json, resource, sys
 job = json.loads(sys.stdin.read())
@@ -430,10 +438,10 @@ except Exception as e:
 def run_python(code, timeout=5.0, memory_mb=256, max_output=1000):
     """Run a tool call's code in the sandbox: (output, ok).
 
-    output: what it printed (stdout and stderr), at most max_output characters, cut with a marker. ok is
-    False when the code raised, was killed (timeout, memory, output past the limit), exited non-zero, or
-    the tier ALLOWED cannot be had here (the output says so; the code did not run). Output is read as it
-    comes and the sandbox killed past the limit, so a flood never fills our memory.
+    output: what it printed (stdout and stderr), at most max_output characters, cut with a marker.
+    ok is False when the code raised, was killed (timeout, memory, output past the limit), exited
+    non-zero, or the tier ALLOWED cannot be had here (the output says so: the code did not run).
+    Output is read as it comes, the sandbox killed past the limit: a flood never fills our memory.
     """
     try:
         proc, cgroups, limits = _start(TOOL_HARNESS, subprocess.STDOUT, timeout, memory_mb)
@@ -441,7 +449,8 @@ def run_python(code, timeout=5.0, memory_mb=256, max_output=1000):
         return f"error: {e}", False
     try:
         job = json.dumps({"code": code, "limits": limits}).encode()
-        out, how = _exchange(proc, job, time.monotonic() + timeout, 4 * max_output)  # a character is <= 4 bytes
+        cap = 4 * max_output  # bytes: a character is at most 4
+        out, how = _exchange(proc, job, time.monotonic() + timeout, cap)
     finally:
         _end(proc, cgroups)
     text = out.decode(errors="replace")
