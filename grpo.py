@@ -911,7 +911,7 @@ def prepare_run(argv):
         problems = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
     except ValueError as e:  # a malformed dataset row (DataError), or fewer distinct problems than asked for
         raise ConfigError(str(e)) from e
-    check_sandbox(cfg, task, problems[0] + problems[1])  # model code runs only in the sandbox `sandbox` accepts
+    check_sandbox(cfg, task, problems[0] + problems[1])  # the model's code runs only sandboxed
     check_task_output(task, problems[0], cfg)  # a prompt() or reward() of the wrong type fails before a model loads
     log = os.path.join(cfg.out_dir, "metrics.jsonl")
     if not cfg.resume and not cfg.eval_only and os.path.exists(log) and os.path.getsize(log):

@@ -3,8 +3,8 @@
 A policy finds every hole in a reward, so every verifier here assumes adversarial input: answers
 are found with str.rfind (no regex that can backtrack for minutes on 100 KB of tags), Countdown
 expressions are parsed with `ast` and evaluated by our own 15-line tree walk (never `eval`),
-sympy runs in a child process with a deadline, and code runs in the sandbox (sandbox.py), which never
-sees a test's expected values.
+sympy runs in a child process with a deadline, and code runs in the sandbox (sandbox.py), which
+never sees a test's expected values.
 
 Per completion, each verifier returns a dict of components, all floats:
     format   1.0 if the text is exactly <think>...</think><answer>...</answer> with a non-empty answer (W2)
@@ -264,17 +264,20 @@ def last_code_block(text):
 
 
 class _Inside(ast.NodeTransformer):
-    """Replaces each largest part of an assert that only the sandbox can compute by a name, __v0, __v1, ...
+    """Replaces each largest part of an assert that only the sandbox can compute by a name, __v0...
 
-    A part goes inside when it uses a name of the code's or the setup's (any name but a builtin, one the
-    test imports, or a lambda's or comprehension's own) and holds no value of the test's outside a call of
-    the code's: in `abs(f(x) - 1.5) < 1e-9` that is `f(x)`, so 1.5 and 1e-9 are never seen by the code.
+    A part goes inside when it uses a name of the code's or the setup's (any name but a builtin,
+    one the test imports, or a lambda's or comprehension's own) and holds no value of the test's
+    outside a call of the code's: in `abs(f(x) - 1.5) < 1e-9` that is `f(x)`, so the code never
+    sees 1.5 or 1e-9.
     """
 
-    SPLIT = (ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Call, ast.IfExp, ast.Tuple, ast.List,
-             ast.Set, ast.Dict, ast.Subscript)
-    PLAIN = {"abs", "all", "any", "bool", "dict", "float", "int", "len", "list", "max", "min", "repr", "round",
-             "set", "sorted", "str", "sum", "tuple"}  # builtins that return a plain value
+    OPERATIONS = (ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare, ast.IfExp, ast.Tuple, ast.List,
+                  ast.Set, ast.Dict, ast.Starred)
+    SPLIT = (*OPERATIONS, ast.Call, ast.Subscript)  # may be split into their parts
+    PARTS = (ast.Starred, ast.Slice, ast.FormattedValue)  # no values of their own
+    PLAIN = {"abs", "all", "any", "bool", "dict", "float", "int", "len", "list", "max", "min",
+             "repr", "round", "set", "sorted", "str", "sum", "tuple"}  # builtins with plain values
 
     def __init__(self, trusted, steps):
         self.trusted, self.steps = trusted, steps
@@ -283,24 +286,24 @@ class _Inside(ast.NodeTransformer):
         return any(isinstance(n, ast.Name) and n.id not in self.trusted for n in ast.walk(node))
 
     def whole(self, node):
-        """True if all of `node` (which uses the code's names) goes inside: a call, item or attribute of the
-        code's (its arguments are inputs), an operation or builtin call whose every operand does (a builtin
-        that returns a plain value, or one given a comprehension or lambda over the code's names, which only
-        the sandbox can compute), or anything else that cannot be split."""
+        """True if all of `node` (which uses the code's names) goes inside: a call, item or
+        attribute of the code's (its arguments are inputs); an operation, or a builtin call, whose
+        every operand does (a builtin with a plain value, or one given a comprehension or lambda
+        over the code's names, which only the sandbox can compute); what cannot be split."""
         if isinstance(node, ast.Call) and not self.uses(node.func):
             parts = [*node.args, *(k.value for k in node.keywords)]
-            if not (isinstance(node.func, ast.Name) and node.func.id in self.PLAIN) and all(
-                    isinstance(p, (*self.SPLIT, ast.Attribute, ast.Starred)) for p in parts):
+            named = isinstance(node.func, ast.Name) and node.func.id in self.PLAIN
+            if not named and all(isinstance(p, (*self.SPLIT, ast.Attribute)) for p in parts):
                 return False  # e.g. type(f(x)): computed here, from the value f returned
-        elif isinstance(node, (*self.SPLIT, ast.Starred)) and not isinstance(node, (ast.Call, ast.Subscript)):
+        elif isinstance(node, self.OPERATIONS):
             parts = [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.expr)]
         else:
             return not isinstance(node, ast.Subscript) or self.uses(node.value)
         return all(self.uses(p) and self.whole(p) for p in parts)
 
     def visit(self, node):
-        if not isinstance(node, ast.expr) or isinstance(node, (ast.Starred, ast.Slice, ast.FormattedValue)):
-            return self.generic_visit(node)  # not a value of its own: its parts are
+        if not isinstance(node, ast.expr) or isinstance(node, self.PARTS):
+            return self.generic_visit(node)
         if not self.uses(node):
             return node  # all the test's own: evaluated here
         if isinstance(node, self.SPLIT) and not self.whole(node):
@@ -316,14 +319,15 @@ def _bound_locally(node):
     for n in ast.walk(node):
         if isinstance(n, ast.Lambda):
             a = n.args
-            names |= {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if x}
+            names |= {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]}
+            names |= {x.arg for x in (a.vararg, a.kwarg) if x}
         elif isinstance(n, ast.comprehension):
             names |= {t.id for t in ast.walk(n.target) if isinstance(t, ast.Name)}
     return names
 
 
 def _as_json(x):
-    """A value as a dataset's JSON holds it: tuples as lists; a set or a key that is not a string fails."""
+    """A value as a dataset's JSON holds it: tuples as lists; a set or a non-string key fails."""
     if type(x) in (list, tuple):
         return [_as_json(v) for v in x]
     if type(x) is dict and all(type(k) is str for k in x):
@@ -334,14 +338,14 @@ def _as_json(x):
 
 
 def split_test(test):
-    """A code test split at the sandbox's wall: (steps run inside, check(values) -> passed, run here).
+    """A code test split at the sandbox's wall: (steps run inside, check(values) -> passed, here).
 
-    Only inputs enter the sandbox: the code under test never sees an expected value (W1).
-    {"call": "add(1, 2)", "expected": 3}: the call is evaluated inside, its value compared here exactly
-    (type and value; tuples as lists, as in JSON). An assert test ("x = [3, 1]\nassert f(x) == [1, 3]"):
-    the other statements run inside (inputs; the test's imports also run here), and each assert is split
-    by _Inside: the parts that use the code's names are evaluated inside, the rest here over their values.
-    Raises SyntaxError on a test that does not parse.
+    The code under test never sees an expected value (W1): only inputs enter the sandbox.
+    {"call": "add(1, 2)", "expected": 3}: the call is evaluated inside, its value compared here
+    exactly (type and value; tuples as lists, as in JSON). An assert test, e.g.
+    "x = [3, 1]\nassert f(x) == [1, 3]": its other statements run inside (inputs; its imports run
+    here too) and each assert is split by _Inside: the parts that use the code's names are evaluated
+    inside, the rest here, over their values. Raises SyntaxError on a test that does not parse.
     """
     if isinstance(test, dict):
         want = json.loads(json.dumps(test["expected"]))
@@ -352,13 +356,13 @@ def split_test(test):
             trusted = set(dir(builtins)) | set(scope) | _bound_locally(statement.test)
             checks.append(ast.unparse(_Inside(trusted, steps).visit(statement.test)))
             continue
-        if isinstance(statement, (ast.Import, ast.ImportFrom)):  # the test's own modules, here as there
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):  # the test's modules, here as there
             exec(compile(ast.Module([statement], []), "test", "exec"), scope)
         steps.append(("exec", ast.unparse(statement)))
 
     def check(values):
         names = {**scope, **{f"__v{i}": v for i, v in enumerate(values)}}
-        return all(eval(c, names) for c in checks)  # the dataset's code: trusted, like the task file
+        return all(eval(c, names) for c in checks)  # the dataset's code: trusted, as the task file
 
     return steps, check
 
@@ -366,9 +370,9 @@ def split_test(test):
 def code_reward(text, tests, timeout=5.0):
     """Code: run the last ```python block against `tests`; correct = fraction passed (W1).
 
-    tests: a list of assert statements ("assert add(1, 2) == 3", setup lines allowed), or of {"call":
-    "add(1, 2)", "expected": 3} checked exactly (type and value). Either way no expected value enters the
-    sandbox (split_test); a test that does not parse, raises or fails scores 0.
+    tests: a list of assert statements ("assert add(1, 2) == 3", setup lines allowed), or of
+    {"call": "add(1, 2)", "expected": 3} checked exactly (type and value). Either way no expected
+    value enters the sandbox (split_test); a test that does not parse, raises or fails scores 0.
     """
     out = {"format": float(has_format(text)), "parsed": 0.0, "correct": 0.0}
     code = last_code_block(extract_answer(text) or text)
@@ -379,7 +383,7 @@ def code_reward(text, tests, timeout=5.0):
     for test in tests:
         try:
             parts.append(split_test(test))
-        except Exception:  # a malformed test, or an import it lacks here: it fails, as it would inside
+        except Exception:  # a malformed test, or an import it lacks here: it fails, as inside
             parts.append(([], None))
     passed = 0
     for (_, check), values in zip(parts, run_tests(code, [steps for steps, _ in parts], timeout)):

@@ -20,15 +20,16 @@ and may define:
     COLUMNS = {"question": "prompt"}  dataset columns to rename before a row becomes a problem
     check(problem)                  raise ValueError saying what a dataset row lacks (named with its line)
     configure(cfg)                  called once with the run's Config before anything else
-    RUNS_CODE = True                the reward runs the model's code (in sandbox.py's sandbox): the run starts
-                                    only where the sandbox tier `sandbox` accepts can be had; a function of a
-                                    problem for a task that runs code for some problems only (tools=True always)
+    RUNS_CODE = True                the reward runs the model's code (sandbox.py): the run starts
+                                    only where the sandbox that `sandbox` accepts can be had; or a
+                                    function of a problem, if only some do (as tools=True always)
 
 The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or hangs
 scores 0 for that completion and is counted in reward/errors; the run goes on. Module state the reward
-changes therefore does not persist from batch to batch. Every process a reward starts (even a daemon that
-double-forks) is ended when its call ends, and the reward's process dies with the trainer. reward_timeout=0
-runs it in-process: no deadline, and what it starts is its own to end (a helper may live across batches).
+changes therefore does not persist from batch to batch. Every process a reward starts (a daemon that
+double-forks too) is ended when its call ends, and the reward's process dies with the trainer.
+reward_timeout=0 runs it in-process: no deadline, and what it starts is its own to end (a helper
+process may live across batches).
 """
 
 import importlib.util
@@ -115,14 +116,15 @@ def load_task(cfg):
     if not isinstance(extras["completion_prefix"], str) or not isinstance(extras["weights"], dict):
         raise ConfigError(f"task file {path}: COMPLETION_PREFIX must be a string and WEIGHTS a dict of floats")
     if not isinstance(extras["runs_code"], bool) and not callable(extras["runs_code"]):
-        raise ConfigError(f"task file {path}: RUNS_CODE must be True, False or a function of a problem")
+        raise ConfigError(f"task file {path}: RUNS_CODE must be True, False or a function of a "
+                          "problem")
     return Task(path, None if data_path else module.problems, module.prompt, module.reward, **extras)
 
 
 def check_sandbox(cfg, task, problems):
-    """Pre-flight: where the model's code runs (tools=True, or the task's RUNS_CODE for any of `problems`),
-    the sandbox tier cfg.sandbox accepts must be had here, or the run stops saying what is missing. Sets
-    that tier for every later call in this process and the reward workers it forks."""
+    """Pre-flight: where the model's code runs (tools=True, or RUNS_CODE for any of `problems`),
+    the sandbox cfg.sandbox accepts must be had here, or the run stops, saying what is missing.
+    Sets that tier for every later call, in this process and the reward workers it forks."""
     sandbox.ALLOWED = cfg.sandbox
     runs = task.runs_code if callable(task.runs_code) else lambda problem: task.runs_code
     if not cfg.tools and not any(runs(p) for p in problems):
@@ -130,9 +132,10 @@ def check_sandbox(cfg, task, problems):
     who = "tools=True runs the model's code" if cfg.tools else f"{task.where} runs the model's code"
     tier, why = sandbox.best()
     if sandbox.TIERS.index(tier) < sandbox.TIERS.index(cfg.sandbox):
-        raise ConfigError(f"{who}, but the {cfg.sandbox} sandbox cannot be built here: {why}. Run on Linux as root, "
-                          "or where unprivileged user namespaces are allowed, with util-linux (unshare, setpriv); "
-                          f"or accept what this machine gives by name: --sandbox={tier} ({sandbox.GIVES[tier]})")
+        raise ConfigError(f"{who}, but the {cfg.sandbox} sandbox cannot be built here: {why}. "
+                          "Run on Linux as root, or where unprivileged user namespaces are "
+                          "allowed, with util-linux (unshare, setpriv); or accept what this "
+                          f"machine gives by name: --sandbox={tier} ({sandbox.GIVES[tier]})")
     if cfg.sandbox != "full":
         print(f"sandbox={cfg.sandbox}: {who} in the {tier} sandbox ({sandbox.GIVES[tier]})"
               + (f"; {why}" if why else ""))
@@ -220,9 +223,8 @@ def as_components(value):
     return {k: float(v) for k, v in value.items()}
 
 
-def _score_all(reward, jobs, send, after=lambda: None):
-    """Score each (i, text, problem) in order; send (i, components, "") or (i, "error" | "wrong type: ...", detail).
-    after() runs after each call, before its result is sent."""
+def _score_all(reward, jobs, send, after=lambda: None):  # after(): after each call, before its send
+    """Score each (i, text, problem) in order; send (i, components, "") or (i, "error" | "wrong type: ...", detail)."""
     for i, text, problem in jobs:
         try:
             value = reward(text, problem)
@@ -239,7 +241,7 @@ def _score_all(reward, jobs, send, after=lambda: None):
 
 def _child(reward, jobs, conn, parent):
     sandbox.die_with_parent(parent)  # kill -9 of the trainer ends this worker too
-    sandbox.become_subreaper()  # what the reward starts stays below this process, even if it double-forks
+    sandbox.become_subreaper()  # what the reward starts stays below the worker, even a daemon
     _score_all(reward, jobs, conn.send, after=_end_leftovers)
     conn.close()
 
@@ -250,7 +252,8 @@ def _live_children():
     for name in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         try:
             with open(f"/proc/{name}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # the name in (...) may hold spaces
+                # the name in (...) may hold spaces
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
         except (OSError, IndexError, ValueError):  # gone meanwhile
             continue
         if state not in "ZX":
@@ -259,8 +262,8 @@ def _live_children():
 
 
 def end_tree(root, with_root=False):
-    """SIGKILL every live process below `root` (and root itself if with_root). Each is stopped first, so none
-    can fork or die (and so leave the tree) while the tree is read; then all are killed at once."""
+    """SIGKILL every live process below `root` (and root itself if with_root). Each is stopped
+    first, so none can fork or die (and so leave the tree) while the tree is read."""
     stopped = {root} if with_root else set()
     try:
         _signal(stopped, signal.SIGSTOP)
@@ -287,7 +290,7 @@ def _signal(pids, sig):
 
 
 def _end_leftovers():
-    """After a reward call in a worker (a child subreaper): kill and reap every process the reward left."""
+    """After a reward call in a worker (a child subreaper): kill and reap all the reward left."""
     deadline, ended = time.monotonic() + 5, False
     while time.monotonic() < deadline:
         try:
@@ -316,8 +319,8 @@ def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False):
     """reward(text, problem) for each completion: a components dict, or a string saying why it failed
     ("error", "timeout", "wrong type: ..."). With timeout > 0, `workers` forked children each score a share
     in order; one that sends nothing for `timeout` s is killed, its completion marked "timeout", and a fresh
-    child goes on with the rest. A worker kills every process its reward leaves (after each call), and is
-    killed with them on a timeout. timeout = 0: in this process, no deadline, nothing killed."""
+    child goes on with the rest. A worker kills every process its reward leaves (after each call),
+    and is killed with them on a timeout. timeout = 0: in this process, no deadline, none killed."""
     results, workers = [None] * len(texts), max(1, workers)
 
     def record(message):

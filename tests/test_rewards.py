@@ -296,7 +296,8 @@ def test_always_equal_objects_do_not_pass_exact_tests():
 def test_code_fork_bomb_leaves_nothing_behind():
     bomb = ("import os\nfor _ in range(200):\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
             "def add(a, b): return a + b")
-    assert code_reward(C(bomb), ADD_TESTS, timeout=10.0)["correct"] == 1.0  # forks fail past the process limit
+    # forks fail past the process limit
+    assert code_reward(C(bomb), ADD_TESTS, timeout=10.0)["correct"] == 1.0
     deadline = time.time() + 5  # processes of a killed sandbox die asynchronously; none may outlive it
     while sandbox_processes() and time.time() < deadline:
         time.sleep(0.1)

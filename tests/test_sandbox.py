@@ -1,7 +1,7 @@
-"""The sandbox: what the model's code can reach, and that nothing outlives a call.   pytest tests/test_sandbox.py
+"""The sandbox: what model code reaches; nothing outlives a call.   pytest tests/test_sandbox.py
 
-The tests of the full sandbox run where it can be built (Linux, as root or with unprivileged user namespaces)
-and are skipped elsewhere; the fail-closed tests simulate a machine where it cannot be built.
+The tests of the full sandbox run where it can be built (Linux, as root or with unprivileged user
+namespaces) and are skipped elsewhere; the fail-closed tests simulate a machine where it cannot be.
 """
 
 import json
@@ -23,7 +23,8 @@ from task import check_sandbox, load_problems, load_task, run_rewards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIER, WHY = sandbox.best()
-full_sandbox = pytest.mark.skipif(TIER != "full", reason=f"the full sandbox cannot be built here: {WHY}")
+NO_FULL = f"the full sandbox cannot be built here: {WHY}"
+full_sandbox = pytest.mark.skipif(TIER != "full", reason=NO_FULL)
 
 
 def C(code):
@@ -37,7 +38,7 @@ def below(pid):
         try:
             with open(f"/proc/{name}/stat") as f:
                 state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-        except OSError:
+        except (OSError, IndexError, ValueError):
             continue
         if state != "Z":
             children.setdefault(int(ppid), []).append(int(name))
@@ -55,7 +56,7 @@ def alive(pids):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
+        except (OSError, IndexError):
             return False
     return [p for p in pids if running(p)]
 
@@ -106,7 +107,7 @@ print(json.dumps({{"best": sandbox.best(), "out": out, "ok": ok}}))
 
 
 def make_python(kind, tmp_path):
-    """A Python interpreter: this one, a venv under /tmp, that venv through a symlink, a venv of /usr/bin/python3."""
+    """This Python, its venv under /tmp, that venv through a symlink, or a venv of the system's."""
     if kind == "this":
         return sys.executable
     base = "/usr/bin/python3" if kind == "system venv" else sys.executable
@@ -122,8 +123,8 @@ def make_python(kind, tmp_path):
 @full_sandbox
 @pytest.mark.parametrize("kind", ["this", "venv", "symlinked venv", "system venv"])
 def test_every_install_gets_the_full_sandbox(kind, tmp_path):
-    """A venv under /tmp (the file view used to mount over it), reached through a symlink, or of the system's
-    Python (whose dist-packages lie in /usr): the code runs with no network, no file of ours, no package."""
+    """A venv under /tmp (the file view used to mount over it), reached through a symlink, or of
+    the system's Python (dist-packages in /usr): the code gets no network, file of ours, package."""
     assert str(tmp_path).startswith("/tmp/")
     python = make_python(kind, tmp_path)
     secret = tmp_path / "answers.json"
@@ -141,17 +142,18 @@ def test_every_install_gets_the_full_sandbox(kind, tmp_path):
     inside = json.loads(got["out"])
     assert inside["uid"] >= sandbox.UID_BASE and inside["network"] == "blocked"
     assert not inside["project"] and not inside["secret"] and not inside["passwd"]
-    assert inside["packages"] == []  # every *-packages folder is empty: sys.path.append finds nothing
+    assert inside["packages"] == []  # every *-packages folder is empty: nothing to sys.path.append
 
 
 @pytest.fixture
 def no_unshare(monkeypatch, tmp_path):
-    """A machine without util-linux's unshare (a container, macOS): probed afresh with a PATH that lacks it."""
+    """A machine without util-linux's unshare (a container, macOS): probed with none on PATH."""
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(sandbox, "_BEST", None)
     monkeypatch.setattr(sandbox, "ALLOWED", "full")
-    assert sandbox.best() == ("none", "the full sandbox failed: util-linux's unshare is not installed; "
-                                      "the namespaces sandbox failed: util-linux's unshare is not installed")
+    missing = "util-linux's unshare is not installed"
+    assert sandbox.best() == ("none", f"the full sandbox failed: {missing}; "
+                                      f"the namespaces sandbox failed: {missing}")
 
 
 def code_task(*overrides):
@@ -162,9 +164,9 @@ def code_task(*overrides):
 
 def test_without_the_full_sandbox_a_code_run_does_not_start(no_unshare, capsys):
     cfg, task, problems = code_task()
-    with pytest.raises(ConfigError, match="tasks/code.py runs the model's code, but the full sandbox cannot be "
-                                          "built here: the full sandbox failed: util-linux's unshare is not "
-                                          "installed.*--sandbox=none \\(no isolation"):
+    refused = ("code.py runs the model's code, but the full sandbox cannot be built here: the "
+               "full sandbox failed: util-linux's unshare is not installed.*--sandbox=none \\(no")
+    with pytest.raises(ConfigError, match=refused):
         check_sandbox(cfg, task, problems)
     cfg = load_config(overrides=["--task=countdown", "--tools=true"])
     with pytest.raises(ConfigError, match="tools=True runs the model's code"):
@@ -174,29 +176,29 @@ def test_without_the_full_sandbox_a_code_run_does_not_start(no_unshare, capsys):
     cfg, task, problems = code_task("--sandbox=none")  # accepted by name: allowed, and said
     check_sandbox(cfg, task, problems)
     out = capsys.readouterr().out
-    assert "sandbox=none: " in out and "tasks/code.py runs the model's code in the none sandbox (no isolation" in out
+    assert "sandbox=none: " in out and "runs the model's code in the none sandbox (no isol" in out
     assert sandbox.ALLOWED == "none" and sandbox.run_python("print(6 * 7)") == ("42\n", True)
 
 
 def test_a_namespaces_only_machine_runs_with_sandbox_namespaces_and_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(sandbox, "_BEST", ("namespaces", "the full sandbox failed: mount: permission denied"))
+    monkeypatch.setattr(sandbox, "_BEST", ("namespaces", "the full sandbox failed: mount: denied"))
     monkeypatch.setattr(sandbox, "ALLOWED", "full")
     cfg, task, problems = code_task()
-    with pytest.raises(ConfigError, match="mount: permission denied.*--sandbox=namespaces \\(no network, but"):
+    with pytest.raises(ConfigError, match="mount: denied.*--sandbox=namespaces \\(no network, but"):
         check_sandbox(cfg, task, problems)
     cfg, task, problems = code_task("--sandbox=namespaces")
     check_sandbox(cfg, task, problems)
     assert sandbox.ALLOWED == "namespaces"
     out = capsys.readouterr().out
-    assert "sandbox=namespaces: " in out and "code.py runs the model's code in the namespaces sandbox" in out
-    assert "mount: permission denied" in out
+    assert "sandbox=namespaces: " in out and "mount: denied" in out
+    assert "code.py runs the model's code in the namespaces sandbox" in out
 
 
 def test_a_dataset_needs_the_sandbox_only_for_its_code_rows(no_unshare, tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
     cfg = load_config(overrides=[f"--task={rows}"])
-    check_sandbox(cfg, load_task(cfg), [{"prompt": "1 + 1?", "answer": "2"}])  # math only: runs anywhere
+    check_sandbox(cfg, load_task(cfg), [{"prompt": "1 + 1?", "answer": "2"}])  # math: runs anywhere
     with pytest.raises(ConfigError, match="tasks/dataset.py runs the model's code"):
         check_sandbox(cfg, load_task(cfg), [{"prompt": "add", "tests": ["assert add(1, 2) == 3"]}])
 
@@ -205,20 +207,24 @@ def test_grpo_stops_before_any_model_without_the_sandbox(no_unshare, tmp_path):
     import grpo
 
     with pytest.raises(ConfigError, match="cannot be built here"):
-        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}/run", "--task=code"])
+        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}/run",
+                   "--task=code"])
     assert not os.path.exists(tmp_path / "run")
 
 
 def test_a_call_below_the_allowed_tier_never_runs_the_code(no_unshare, tmp_path):
     marker = tmp_path / "ran"
     out, ok = sandbox.run_python(f"open({str(marker)!r}, 'w').write('x')")
-    assert not ok and out.startswith("error: the full sandbox cannot be built here") and "sandbox=none" in out
+    assert not ok and out.startswith("error: the full sandbox cannot be built here")
+    assert "sandbox=none" in out
+    code = C(f"open({str(marker)!r}, 'w').write('x')\ndef f(): return 1")
     with pytest.raises(sandbox.SandboxError, match="cannot be built here"):
-        code_reward(C(f"open({str(marker)!r}, 'w').write('x')\ndef f(): return 1"), ["assert f() == 1"])
+        code_reward(code, ["assert f() == 1"])
     assert not marker.exists()
     reward = lambda text, problem: code_reward(text, problem["tests"])  # noqa: E731
-    assert run_rewards(reward, [C("def f(): return 1")], [{"tests": ["assert f() == 1"]}], 0, quiet=True) == [
-        "error"]  # in a run the reward fails: the completion scores 0, counted in reward/errors
+    # in a run, the reward fails: the completion scores 0 and is counted in reward/errors
+    assert run_rewards(reward, [code], [{"tests": ["assert f() == 1"]}], 0, quiet=True) == ["error"]
+    assert not marker.exists()
 
 
 # ---------------------------------------------------------------- the hidden tests stay hidden
@@ -253,19 +259,19 @@ SECRET_TESTS = [{"call": "secret(1)", "expected": 7193}, "assert secret(2) == 48
 
 def test_a_lookup_table_of_the_hidden_tests_finds_nothing():
     assert code_reward(C(LOOKUP), SECRET_TESTS)["correct"] == 0.0
-    honest = "def secret(x):\n    return {1: 7193, 2: 4817, 3: 9120}[x]"  # the table is right: the tests do run
+    honest = "def secret(x):\n    return {1: 7193, 2: 4817, 3: 9120}[x]"  # the tests do run
     assert code_reward(C(honest), SECRET_TESTS)["correct"] == 1.0
 
 
 def test_forged_result_lines_score_nothing():
-    # lines of every format a harness might read, on every descriptor, first and last, with the nonce an
-    # older harness used: they only choose the code's outputs, which are then judged
+    # lines of every format a harness might read, on every descriptor, first and last, with the
+    # nonce an older harness used: they only choose the code's outputs, which are then judged
     forge = textwrap.dedent('''
         import atexit, json, os, sys
         job = sys._getframe(1).f_globals.get("job", {})
         lines = []
         for i in range(3):
-            lines += [[job.get("nonce"), i, True, None], [i, [True]], [i, [None]], [i, True], [i, []]]
+            lines += [[job.get("nonce"), i, True, None], [i, [True]], [i, [None]], [i, []]]
         def forge():
             for fd in range(3, 12):
                 for line in lines:
@@ -296,29 +302,31 @@ def test_honest_solutions_pass_assert_and_call_tests():
         def gen(n):
             return (i * i for i in range(n))
     """)
-    passing = ["assert abs(half(3) - 1.5) < 1e-9", "assert odd(3)", "assert not odd(4)", "assert pair(2) == (1, 2)",
-               "assert listed(2) == [1, 2]",
-               "xs = [1, 2, 3]\nys = xs + [4]\nassert total(xs) == 6\nassert total(ys) == 10",  # setup lines
+    passing = ["assert abs(half(3) - 1.5) < 1e-9", "assert odd(3)", "assert not odd(4)",
+               "assert pair(2) == (1, 2)", "assert listed(2) == [1, 2]",
+               "xs = [1, 2, 3]\nys = xs + [4]\nassert total(xs) == 6\nassert total(ys) == 10",
                "import math\nassert math.isclose(half(1), 0.5) and type(pair(1)) is tuple",
                "xs = [2, 4]\nassert list(gen(3)) == [0, 1, 4] and sum(map(half, xs)) == 3",
-               "assert all(odd(2 * i + 1) for i in range(5))", "assert sorted(listed(0), key=lambda t: -t) == [1, 0]",
+               "assert all(odd(2 * i + 1) for i in range(5))",
+               "assert sorted(listed(0), key=lambda t: -t) == [1, 0]",
                {"call": "pair(2)", "expected": [1, 2]}, {"call": "listed(2)", "expected": [1, 2]},
                {"call": "total([])", "expected": 0}]
     assert code_reward(C(code), passing)["correct"] == 1.0
-    failing = ["assert pair(2) == [1, 2]", "assert listed(2) == (1, 2)", "assert odd(4)", "assert not odd(3)",
-               "assert abs(half(3) - 1.4) < 1e-9", "assert gen(2) == [0, 1]", {"call": "half(2)", "expected": 1.5},
-               {"call": "gen(2)", "expected": [0, 1]}, "assert total(None) == 0", "assert half(2) ==",
+    failing = ["assert pair(2) == [1, 2]", "assert listed(2) == (1, 2)", "assert odd(4)",
+               "assert not odd(3)", "assert abs(half(3) - 1.4) < 1e-9", "assert gen(2) == [0, 1]",
+               {"call": "half(2)", "expected": 1.5}, {"call": "gen(2)", "expected": [0, 1]},
+               "assert total(None) == 0", "assert half(2) ==",
                "xs = undefined\nassert total([]) == 0"]
     assert code_reward(C(code), failing)["correct"] == 0.0
 
 
-# ---------------------------------------------------------------- limits per sandbox, bounded reads and waits
+# ---------------------------------------------------------------- limits per sandbox, bounded waits
 
 
 @full_sandbox
-@pytest.mark.skipif("memory" not in sandbox._cgroup_bases(), reason="no memory cgroup to make here (not root?)")
+@pytest.mark.skipif("memory" not in sandbox._cgroup_bases(), reason="no memory cgroup (not root?)")
 def test_memory_is_bounded_for_the_whole_sandbox():
-    """Six children of 100 MB each, under memory_mb=256: at most two of them can hold theirs at once."""
+    """Six children of 100 MB each, under memory_mb=256: at most two can hold theirs at once."""
     code = textwrap.dedent("""
         import os, time
         pids = []
@@ -341,17 +349,18 @@ def test_memory_is_bounded_for_the_whole_sandbox():
 
 @full_sandbox
 def test_a_flood_on_the_result_pipe_is_read_only_to_its_cap():
-    """The code writes 600 MB where the harness writes its results: the caller reads 1 MB of it, no more."""
+    """The code writes 600 MB where the harness writes its results: the caller reads 1 MB of it."""
     script = textwrap.dedent(f"""
         import resource, sys
         sys.path.insert(0, {ROOT!r})
         import sandbox
-        flood = "import os\\nmb = b'x' * (1 << 20)\\nfor _ in range(600):\\n    os.write(3, mb)\\ndef f(): return 1"
+        flood = "import os\\nfor _ in range(600):\\n    os.write(3, b'x' * (1 << 20))\\n"
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        got = sandbox.run_tests(flood, [[("eval", "f()")]], timeout=30)
+        got = sandbox.run_tests(flood + "def f(): return 1", [[("eval", "f()")]], timeout=30)
         print(got, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120).stdout.split()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120).stdout.split()
     assert out[0] == "[None]" and int(out[1]) < 50_000, out  # kB: the peak grew by less than 50 MB
 
 
@@ -373,8 +382,8 @@ def test_a_fork_bomb_does_not_starve_another_sandbox():
     first.start()
     time.sleep(2)  # the bomb holds all the processes its limit allows
     try:
-        forks = "import os\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n" \
-                "    os.waitpid(pid, 0)\nprint('forked 4')"
+        forks = "import os\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n" \
+                "        os._exit(0)\n    os.waitpid(pid, 0)\nprint('forked 4')"
         assert sandbox.run_python(forks) == ("forked 4\n", True)
     finally:
         first.join()
@@ -389,7 +398,8 @@ def test_a_tool_call_that_closes_its_output_still_meets_its_deadline(tier, monke
         monkeypatch.setattr(sandbox, "_BEST", ("none", "simulated"))
         monkeypatch.setattr(sandbox, "ALLOWED", "none")
     start = time.monotonic()
-    out, ok = sandbox.run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(30)", timeout=2)
+    code = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(30)"
+    out, ok = sandbox.run_python(code, timeout=2)
     assert not ok and "[timed out after 2 s]" in out and time.monotonic() - start < 5
 
 
@@ -397,7 +407,7 @@ def test_a_tool_call_that_closes_its_output_still_meets_its_deadline(tier, monke
 
 
 def spawning_reward(text, problem):
-    """A reward that leaves a sleeping child, or a daemon (setsid and a double fork), then returns or hangs."""
+    """A reward that leaves a sleeping child, or a daemon (setsid, double fork); or it hangs."""
     if text in ("child", "hang"):
         subprocess.Popen(["sleep", problem["marker"]])
     if text in ("daemon", "hang"):
@@ -417,9 +427,10 @@ def test_processes_a_reward_starts_end_with_its_call():
     marker = f"1000.{os.getpid()}{int(time.time() * 1000) % 100000}"
     try:
         texts = ["child", "daemon", "plain", "hang", "child"]
-        got = run_rewards(spawning_reward, texts, [{"marker": marker}] * 5, timeout=2.0, workers=2, quiet=True)
+        problems = [{"marker": marker}] * 5
+        got = run_rewards(spawning_reward, texts, problems, timeout=2.0, workers=2, quiet=True)
         assert got == [{"score": 1.0}] * 3 + ["timeout", {"score": 1.0}]
-        assert with_marker(marker) == []  # not the child, the daemon, nor what the hung reward started
+        assert with_marker(marker) == []  # no child, no daemon, nothing the hung reward started
     finally:
         for pid in with_marker(marker):
             os.kill(pid, signal.SIGKILL)
@@ -456,19 +467,23 @@ def test_kill_9_of_the_trainer_ends_its_reward_workers(tmp_path):
 
 
 @full_sandbox
-@pytest.mark.parametrize("call", ["sandbox.run_python('import time; time.sleep(60)', timeout=100)",
-                                  "sandbox.run_tests('import time\\ntime.sleep(60)', [[('eval', '1')]], timeout=100)"])
+@pytest.mark.parametrize("call", [
+    "run_python('import time; time.sleep(60)', timeout=100)",
+    "run_tests('import time\\ntime.sleep(60)', [[('eval', '1')]], timeout=100)"])
 def test_kill_9_of_a_caller_ends_its_sandbox(call):
-    script = f"import sys\nsys.path.insert(0, {ROOT!r})\nimport sandbox\nsandbox.best()\nprint('probed', flush=True)\n"
-    script += call
-    caller, inside = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True), []
+    script = f"import sys\nsys.path.insert(0, {ROOT!r})\nimport sandbox\nsandbox.best()\n"
+    script += f"print('probed', flush=True)\nsandbox.{call}"
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    inside = []
     try:
         assert caller.stdout.readline() == "probed\n"  # the probe's own sandbox has come and gone
         deadline = time.monotonic() + 30
-        while not [p for p in below(caller.pid) if uid(p) >= sandbox.UID_BASE] and time.monotonic() < deadline:
-            time.sleep(0.05)  # until the harness runs in the sandbox, as the sandbox's uid
+        # until the harness runs in the sandbox, as the sandbox's uid
+        while max(map(uid, below(caller.pid)), default=-1) < sandbox.UID_BASE:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         time.sleep(0.5)
-        inside = below(caller.pid)  # unshare, and the sandbox's first process (setpriv exec'd the harness)
+        inside = below(caller.pid)  # unshare, and the sandbox's first process (the harness)
         assert len(inside) >= 2 and uid(inside[-1]) >= sandbox.UID_BASE, inside
         caller.kill()
         deadline = time.monotonic() + 5

@@ -203,10 +203,10 @@ def test_the_sandbox_sees_no_file_of_the_machine():
         assert ok and "work" not in out and "etc" not in out and "home" not in out, out
         out, ok = run_python("import torch")
         assert not ok and "ModuleNotFoundError" in out
-        # the code under the verifier's tests runs in the same sandbox (the tests' own values stay outside)
+        # the code under the verifier's tests runs in the same sandbox (the tests' values stay out)
         leak = f"```python\ndef leak():\n    return open({planted!r}).read()\n```"
-        assert code_reward(leak, ["assert leak()", {"call": "leak()", "expected": '{"answer": 299114}'}]) == {
-            "format": 0.0, "parsed": 1.0, "correct": 0.0}
+        tests = ["assert leak()", {"call": "leak()", "expected": '{"answer": 299114}'}]
+        assert code_reward(leak, tests) == {"format": 0.0, "parsed": 1.0, "correct": 0.0}
         assert code_reward("```python\nx = 1\n```", ["import json, math, fractions\nassert math.gcd(4, 6) == 2"])[
             "correct"] == 1.0
     finally:
