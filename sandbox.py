@@ -183,6 +183,7 @@ def best():
                 break
             why.append(f"the {candidate} sandbox failed: {error}")
         _BEST = tier, "; ".join(why)
+        _cgroup_bases()  # probed with the tier, so forked reward workers inherit both
     return _BEST
 
 

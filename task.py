@@ -392,6 +392,7 @@ def replay(path, config_path=None):
     """
     cfg = load_saved(config_path or os.path.join(os.path.dirname(os.path.abspath(path)), "config.json"))
     task = load_task(cfg)
+    sandbox.ALLOWED = cfg.sandbox  # code is re-run in the sandbox the run accepted, or fails
     rows, disagreements = 0, 0
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
