@@ -242,7 +242,8 @@ def _make_cgroups(memory_mb, procs):
     for controller, (version, base) in _cgroup_bases().items():
         folders.setdefault(os.path.join(base, name), (version, set()))[1].add(controller)
     for folder, (version, controllers) in folders.items():
-        os.makedirs(folder, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # left by a caller that died, with our pid
+            os.mkdir(folder)
         if "pids" in controllers:
             _write(folder, "pids.max", procs)
         size = memory_mb << 20
@@ -278,7 +279,7 @@ def _start(harness, stderr, timeout, memory_mb):
     procs = 64 if "memory" in _cgroup_bases() else 8  # else RLIMIT_AS x procs bounds the memory
     limits = {"RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": 1 << 20, "RLIMIT_NPROC": procs,
               "RLIMIT_CORE": 0, "RLIMIT_CPU": math.ceil(timeout) + 1}
-    cgroups, parent = _make_cgroups(memory_mb, procs), os.getpid()
+    cgroups, parent = [], os.getpid()
 
     def enter():  # in the child before exec: all the sandbox starts is in its cgroups
         die_with_parent(parent)
@@ -287,13 +288,14 @@ def _start(harness, stderr, timeout, memory_mb):
 
     uid = UID_BASE + parent * 64 + next(_COUNT) % 64
     try:
+        cgroups += _make_cgroups(memory_mb, procs)
         proc = subprocess.Popen([*_command(tier, uid), _interpreter(), "-I", "-c", harness],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                 env=ENV, cwd="/tmp", start_new_session=True, preexec_fn=enter)
-    except BaseException:
+    except (OSError, subprocess.SubprocessError) as e:
         for folder in cgroups:
             _remove_cgroup(folder)
-        raise
+        raise SandboxError(f"the sandbox did not start: {e}") from e
     return proc, cgroups, limits
 
 
