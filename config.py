@@ -122,6 +122,8 @@ class Config:
     tool_open: str = "<python>"  # a call is the code between tool_open and tool_close (generation stops at the close)
     tool_close: str = "</python>"  # the close tag (for a ```python block: "```python\n" and "\n```\n")
     tool_error_penalty: float = 0.0  # subtracted from the reward per failed call (raised, timed out, killed); 0 = off
+    # model code: "full": no network, no file but the stdlib | "namespaces": no network | "none"
+    sandbox: str = "full"  # the weakest sandbox accepted (sandbox.py); else the run does not start
 
     # ---- advantages (A1-A3) ----
     adv_baseline: str = "mean"  # A1: "mean" of the group (GRPO) | "leave-one-out": the other G-1's mean (RLOO)
@@ -223,6 +225,7 @@ CHOICES = {
     "is_mode": ("truncate", "mask"),
     "vllm_sleep_level": (0, 1, 2),
     "parallel": ("fsdp", "ddp"),
+    "sandbox": ("full", "namespaces", "none"),
 }
 
 

@@ -62,9 +62,9 @@ from model import (
     tail_runs,
 )
 from preflight import preflight
-from rewards import run_python
 from rollout import HFEngine, ToolEngine, VLLMEngine, auto_engine, derive_seed
-from task import check_task_output, load_problems, load_task, score, tokenize_prompts
+from sandbox import run_python
+from task import check_sandbox, check_task_output, load_problems, load_task, score, tokenize_prompts
 
 # ---------------------------------------------------------------- seeds
 
@@ -923,6 +923,7 @@ def prepare_run(argv):
         problems = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
     except ValueError as e:  # a malformed dataset row (DataError), or fewer distinct problems than asked for
         raise ConfigError(str(e)) from e
+    check_sandbox(cfg, task, problems[0] + problems[1])  # the model's code runs only sandboxed
     check_task_output(task, problems[0], cfg)  # a prompt() or reward() of the wrong type fails before a model loads
     log = os.path.join(cfg.out_dir, "metrics.jsonl")
     if not cfg.resume and not cfg.eval_only and os.path.exists(log) and os.path.getsize(log):

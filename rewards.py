@@ -3,7 +3,8 @@
 A policy finds every hole in a reward, so every verifier here assumes adversarial input: answers
 are found with str.rfind (no regex that can backtrack for minutes on 100 KB of tags), Countdown
 expressions are parsed with `ast` and evaluated by our own 15-line tree walk (never `eval`),
-sympy runs in a child process with a deadline, and code runs in a sandbox process.
+sympy runs in a child process with a deadline, and code runs in the sandbox (sandbox.py), which
+never sees a test's expected values.
 
 Per completion, each verifier returns a dict of components, all floats:
     format   1.0 if the text is exactly <think>...</think><answer>...</answer> with a non-empty answer (W2)
@@ -16,21 +17,17 @@ components into one shaped reward per completion (W2-W3), whatever the task.
 """
 
 import ast
+import builtins
 import json
 import math
 import multiprocessing
-import os
 import re
-import secrets
-import select
-import shlex
-import shutil
-import subprocess
 import sys
-import time
 from fractions import Fraction
 
 import torch
+
+from sandbox import run_tests
 
 MAX_ANSWER_CHARS = 256  # longer answers are not parsed at all: no real answer here is that long
 
@@ -284,222 +281,137 @@ def last_code_block(text):
     first_line, _, body = text[start + 3 : end].partition("\n")
     return body if first_line.strip() in ("", "python", "py", "python3") else None
 
-# Runs inside the sandbox. The job (code, tests, a secret nonce) arrives on stdin, so nothing is
-# written to disk. User output goes to /dev/null; results go to a private copy of stdout, each line
-# carrying the nonce, so code that exits early or prints fake results cannot pass a test it did not run.
-HARNESS = r"""
-import json, os, resource, sys
-job = json.loads(sys.stdin.read())
-out = os.fdopen(os.dup(1), "w")
-null = os.open(os.devnull, os.O_WRONLY)
-os.dup2(null, 1); os.dup2(null, 2)
-for name, limit in job["limits"].items():
-    resource.setrlimit(getattr(resource, name), (limit, limit))
-exact = type
-def plain(x):  # exact builtin types only: an object whose __eq__ always says True is not a result
-    if exact(x) in (int, float, str, bool, type(None)): return x
-    if exact(x) in (list, tuple): return [plain(v) for v in x]
-    if exact(x) is dict and all(exact(k) is str for k in x): return {k: plain(v) for k, v in x.items()}
-    raise TypeError("not a plain value")
-scope = {"__name__": "__main__"}
-try:
-    exec(compile(job["code"], "solution.py", "exec"), scope); loaded = True
-except BaseException:
-    loaded = False
-for i, test in enumerate(job["tests"]):
-    ok, value = loaded, None
-    try:
-        if ok and isinstance(test, str):
-            exec(compile(test, f"test_{i}", "exec"), scope)
-        elif ok:
-            value = plain(eval(compile(test["call"], f"test_{i}", "eval"), scope))
-    except BaseException:
-        ok = False
-    out.write(json.dumps([job["nonce"], i, ok, value]) + "\n"); out.flush()
-"""
 
+class _Inside(ast.NodeTransformer):
+    """Replaces each largest part of an assert that only the sandbox can compute by a name, __v0...
 
-SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}  # no secrets from our environment
-_SANDBOX = None  # the prefix, probed once (sandbox())
-
-
-def _python_dirs():
-    """The folders the sandbox's Python needs, read-only: its installation (and a venv's own folder)."""
-    return sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)})
-
-
-def _file_view():
-    """Shell lines that build the sandbox's whole filesystem and make it the root (pivot_root).
-
-    The new root is a tmpfs holding only: /usr (and /bin, /lib... as the host has them), the Python
-    installation with its site-packages hidden (the harness needs the standard library only), /dev/null,
-    /dev/zero, /dev/urandom, a fresh /proc of the sandbox's own PID namespace, and a private /tmp. No
-    /etc, /home, /root, project folder or dataset: code can read nothing it was not given.
+    A part goes inside when it uses a name of the code's or the setup's (any name but a builtin,
+    one the test imports, or a lambda's or comprehension's own) and holds no value of the test's
+    outside a call of the code's: in `abs(f(x) - 1.5) < 1e-9` that is `f(x)`, so the code never
+    sees 1.5 or 1e-9.
     """
-    q = shlex.quote
-    lines = ["set -e", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "mount -t tmpfs -o size=64m tmpfs /tmp",
-             "mkdir /tmp/root", "mount -t tmpfs -o size=64m tmpfs /tmp/root", "cd /tmp/root", "mkdir dev proc tmp old"]
-    for d in ("/usr", *_python_dirs()):
-        if os.path.isdir(d):
-            lines.append(f"mkdir -p {q('.' + d)} && mount --rbind -o ro {q(d)} {q('.' + d)}")
-    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(d):  # a merged-/usr system: /lib -> usr/lib
-            lines.append(f"ln -s {q(os.readlink(d))} .{d}")
-        elif os.path.isdir(d):
-            lines.append(f"mkdir .{d} && mount --rbind -o ro {d} .{d}")
-    for site in {os.path.realpath(p) for p in sys.path if p.endswith("-packages") and os.path.isdir(p)}:
-        lines.append(f"mount -t tmpfs -o ro,size=1m tmpfs {q('.' + site)}")  # installed packages: hidden
-    for dev in ("null", "zero", "urandom"):
-        lines.append(f"touch dev/{dev} && mount --bind /dev/{dev} dev/{dev}")
-    # the old root is detached once /proc (which umount reads) is the sandbox's own
-    lines += ["mount -t tmpfs -o size=64m tmpfs tmp", "pivot_root . old", "mount -t proc proc /proc",
-              "umount -l /old", "rmdir /old"]
-    return "; ".join(lines)
+
+    OPERATIONS = (ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare, ast.IfExp, ast.Tuple, ast.List,
+                  ast.Set, ast.Dict, ast.Starred)
+    SPLIT = (*OPERATIONS, ast.Call, ast.Subscript)  # may be split into their parts
+    PARTS = (ast.Starred, ast.Slice, ast.FormattedValue)  # no values of their own
+    PLAIN = {"abs", "all", "any", "bool", "dict", "float", "int", "len", "list", "max", "min",
+             "repr", "round", "set", "sorted", "str", "sum", "tuple"}  # builtins with plain values
+
+    def __init__(self, trusted, steps):
+        self.trusted, self.steps = trusted, steps
+
+    def uses(self, node):
+        return any(isinstance(n, ast.Name) and n.id not in self.trusted for n in ast.walk(node))
+
+    def whole(self, node):
+        """True if all of `node` (which uses the code's names) goes inside: a call, item or
+        attribute of the code's (its arguments are inputs); an operation, or a builtin call, whose
+        every operand does (a builtin with a plain value, or one given a comprehension or lambda
+        over the code's names, which only the sandbox can compute); what cannot be split."""
+        if isinstance(node, ast.Call) and not self.uses(node.func):
+            parts = [*node.args, *(k.value for k in node.keywords)]
+            named = isinstance(node.func, ast.Name) and node.func.id in self.PLAIN
+            if not named and all(isinstance(p, (*self.SPLIT, ast.Attribute)) for p in parts):
+                return False  # e.g. type(f(x)): computed here, from the value f returned
+        elif isinstance(node, self.OPERATIONS):
+            parts = [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.expr)]
+        else:
+            return not isinstance(node, ast.Subscript) or self.uses(node.value)
+        return all(self.uses(p) and self.whole(p) for p in parts)
+
+    def visit(self, node):
+        if not isinstance(node, ast.expr) or isinstance(node, self.PARTS):
+            return self.generic_visit(node)
+        if not self.uses(node):
+            return node  # all the test's own: evaluated here
+        if isinstance(node, self.SPLIT) and not self.whole(node):
+            return self.generic_visit(node)
+        name = f"__v{sum(kind == 'eval' for kind, _ in self.steps)}"
+        self.steps.append(("eval", ast.unparse(node)))
+        return ast.Name(name, ast.Load())
 
 
-def _sandbox_prefix():
-    """The command prefix that runs code in the sandbox, and what it leaves reachable ("" when nothing).
+def _bound_locally(node):
+    """The names a lambda or a comprehension in `node` binds for itself."""
+    names = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Lambda):
+            a = n.args
+            names |= {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]}
+            names |= {x.arg for x in (a.vararg, a.kwarg) if x}
+        elif isinstance(n, ast.comprehension):
+            names |= {t.id for t in ast.walk(n.target) if isinstance(t, ast.Name)}
+    return names
 
-    Best: network, PID and mount namespaces, uid nobody (when we are root), and a filesystem holding only
-    Python's standard library (_file_view). Where that mount fails: the namespaces with a private /tmp
-    but the host's files readable. Where unshare is refused: a plain child process. Both fallbacks say so.
+
+def _as_json(x):
+    """A value as a dataset's JSON holds it: tuples as lists; a set or a non-string key fails."""
+    if type(x) in (list, tuple):
+        return [_as_json(v) for v in x]
+    if type(x) is dict and all(type(k) is str for k in x):
+        return {k: _as_json(v) for k, v in x.items()}
+    if type(x) in (dict, set):
+        raise TypeError("not a JSON value")
+    return x
+
+
+def split_test(test):
+    """A code test split at the sandbox's wall: (steps run inside, check(values) -> passed, here).
+
+    The code under test never sees an expected value (W1): only inputs enter the sandbox.
+    {"call": "add(1, 2)", "expected": 3}: the call is evaluated inside, its value compared here
+    exactly (type and value; tuples as lists, as in JSON). An assert test, e.g.
+    "x = [3, 1]\nassert f(x) == [1, 3]": its other statements run inside (inputs; its imports run
+    here too) and each assert is split by _Inside: the parts that use the code's names are evaluated
+    inside, the rest here, over their values. Raises SyntaxError on a test that does not parse.
     """
-    if not shutil.which("unshare"):
-        return [], "unshare is missing: the code runs as a plain child process, with network and every file"
-    user = [] if os.geteuid() == 0 else ["--map-root-user"]
-    drop = "exec setpriv --reuid=65534 --regid=65534 --clear-groups" if os.geteuid() == 0 else "exec"
-    private_tmp = "for d in /tmp /var/tmp /dev/shm; do mount -t tmpfs -o size=64m tmpfs $d; done"
-    # --kill-child + --pid: when the sandbox's first process dies, the kernel kills all it forked
-    unshare = ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
-    tiers = [(_file_view(), ""),
-             (private_tmp, "the sandbox's filesystem view failed: code runs without network, but can read "
-                           "every world-readable file (the project, its data)"),
-             (None, "unshare is not permitted here: code runs as a plain child process, with network and "
-                    "every file")]
-    for setup, weaker in tiers:
-        if setup is None:
-            return [], weaker
-        prefix = [*unshare, "sh", "-c", f'{setup}; cd /tmp && {drop} "$@"', "sandbox"]
-        probe = subprocess.run([*prefix, sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30,
-                               env=SANDBOX_ENV, cwd="/tmp")
-        if probe.returncode == 0:
-            return prefix, weaker
-
-
-def sandbox():
-    """The sandbox prefix, probed once per process; a weaker fallback is said once, loudly."""
-    global _SANDBOX
-    if _SANDBOX is None:
-        _SANDBOX, weaker = _sandbox_prefix()
-        if weaker:
-            print(f"warning: {weaker}. Run where unprivileged user namespaces are allowed (or as root) for "
-                  f"the full sandbox.", file=sys.stderr)
-    return _SANDBOX
-
-
-
-def run_tests(code, tests, timeout=5.0, memory_mb=512):
-    """Run `code` then each test in the sandbox; returns per test (ran without error, returned value)."""
-    nonce = secrets.token_hex(16)
-    limits = {"RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": 1 << 20, "RLIMIT_NPROC": 64, "RLIMIT_CORE": 0,
-              "RLIMIT_CPU": math.ceil(timeout) + 1}
-    job = json.dumps({"code": code, "tests": tests, "nonce": nonce, "limits": limits})
-    cmd = [*sandbox(), sys.executable, "-I", "-c", HARNESS]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            env=SANDBOX_ENV, cwd="/tmp", start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(job.encode(), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stdout = b""  # W1: a timeout scores 0 for every test
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)  # the whole group; --kill-child then takes down the sandbox
-        proc.wait()
-    results = [(False, None)] * len(tests)  # a test without a result line did not pass
-    for line in stdout.decode(errors="replace").splitlines():
-        try:
-            tag, i, ok, value = json.loads(line)
-        except (ValueError, TypeError):
+    if isinstance(test, dict):
+        want = json.loads(json.dumps(test["expected"]))
+        return [("eval", test["call"])], lambda values: _as_json(values[0]) == want
+    steps, checks, scope = [], [], {}
+    for statement in ast.parse(test).body:
+        if isinstance(statement, ast.Assert):
+            trusted = set(dir(builtins)) | set(scope) | _bound_locally(statement.test)
+            checks.append(ast.unparse(_Inside(trusted, steps).visit(statement.test)))
             continue
-        if tag == nonce and type(i) is int and 0 <= i < len(tests):
-            results[i] = (ok is True, value)
-    return results
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):  # the test's modules, here as there
+            exec(compile(ast.Module([statement], []), "test", "exec"), scope)
+        steps.append(("exec", ast.unparse(statement)))
+
+    def check(values):
+        names = {**scope, **{f"__v{i}": v for i, v in enumerate(values)}}
+        return all(eval(c, names) for c in checks)  # the dataset's code: trusted, as the task file
+
+    return steps, check
 
 
 def code_reward(text, tests, timeout=5.0):
     """Code: run the last ```python block against `tests`; correct = fraction passed (W1).
 
-    tests: a list of assert statements ("assert add(1, 2) == 3"), or of {"call": "add(1, 2)",
-    "expected": 3} checked exactly (type and value) outside the sandbox. Prefer the second form for
-    training: an assert can be fooled by a returned object whose __eq__ always says True.
+    tests: a list of assert statements ("assert add(1, 2) == 3", setup lines allowed), or of
+    {"call": "add(1, 2)", "expected": 3} checked exactly (type and value). Either way no expected
+    value enters the sandbox (split_test); a test that does not parse, raises or fails scores 0.
     """
     out = {"format": float(has_format(text)), "parsed": 0.0, "correct": 0.0}
     code = last_code_block(extract_answer(text) or text)
     if not code or not tests:
         return out
     out["parsed"] = 1.0
-    results = run_tests(code, tests, timeout)
-    passed = [ok and (isinstance(t, str) or value == json.loads(json.dumps(t["expected"])))  # tuples as lists
-              for t, (ok, value) in zip(tests, results)]
-    out["correct"] = sum(passed) / len(tests)
+    parts = []
+    for test in tests:
+        try:
+            parts.append(split_test(test))
+        except Exception:  # a malformed test, or an import it lacks here: it fails, as inside
+            parts.append(([], None))
+    passed = 0
+    for (_, check), values in zip(parts, run_tests(code, [steps for steps, _ in parts], timeout)):
+        try:
+            passed += check is not None and values is not None and bool(check(values))
+        except Exception:  # an assert that raises on the values the code returned
+            pass
+    out["correct"] = passed / len(tests)
     return out
-
-
-# ---------------------------------------------------------------- the Python tool (multi-turn rollouts)
-
-# Runs inside the sandbox: the code arrives on stdin; what it prints is the tool's output. An exception
-# prints one line (its type and message), not a traceback of the harness.
-TOOL_HARNESS = r"""
-import json, resource, sys
-job = json.loads(sys.stdin.read())
-for name, limit in job["limits"].items():
-    resource.setrlimit(getattr(resource, name), (limit, limit))
-try:
-    exec(compile(job["code"], "<python>", "exec"), {"__name__": "__main__"})
-except Exception as e:
-    print(f"{type(e).__name__}: {e}")
-    sys.exit(1)
-"""
-
-
-def run_python(code, timeout=5.0, memory_mb=256, max_output=1000):
-    """Run a tool call's code in the sandbox: (output, ok).
-
-    output: what it printed (stdout and stderr), at most max_output characters, cut with a marker. ok is
-    False when the code raised, was killed (timeout, memory, output past the limit) or exited non-zero. Output
-    is read as it comes and the sandbox killed past the limit, so a flood never fills our memory.
-    """
-    limits = {"RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": 1 << 20, "RLIMIT_NPROC": 64, "RLIMIT_CORE": 0,
-              "RLIMIT_CPU": math.ceil(timeout) + 1}
-    proc = subprocess.Popen([*sandbox(), sys.executable, "-I", "-c", TOOL_HARNESS], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=SANDBOX_ENV, cwd="/tmp",
-                            start_new_session=True)
-    out, deadline, reason = b"", time.monotonic() + timeout, None
-    try:
-        proc.stdin.write(json.dumps({"code": code, "limits": limits}).encode())
-        proc.stdin.close()
-        while reason is None:
-            ready = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]
-            chunk = os.read(proc.stdout.fileno(), 1 << 16) if ready else b""
-            out += chunk
-            if not ready:
-                reason = f"timed out after {timeout:g} s"
-            elif len(out) > 4 * max_output:  # bytes; a UTF-8 character is at most 4
-                reason = "output limit"
-            elif not chunk:
-                reason = "done"  # end of output: the code finished
-    except BrokenPipeError:  # the sandbox died before reading the code
-        reason = "done"
-    finally:
-        if proc.poll() is None and reason != "done":
-            os.killpg(proc.pid, 9)  # the whole group; --kill-child then takes down the sandbox
-        proc.wait()
-    text = out.decode(errors="replace")
-    if len(text) > max_output:
-        text = text[:max_output] + "\n[output truncated]"
-    if reason.startswith("timed out"):
-        text += f"\n[{reason}]"
-    return text, reason == "done" and proc.returncode == 0
 
 
 # ---------------------------------------------------------------- the smoke-test task

@@ -20,10 +20,16 @@ and may define:
     COLUMNS = {"question": "prompt"}  dataset columns to rename before a row becomes a problem
     check(problem)                  raise ValueError saying what a dataset row lacks (named with its line)
     configure(cfg)                  called once with the run's Config before anything else
+    RUNS_CODE = True                the reward runs the model's code (sandbox.py): the run starts
+                                    only where the sandbox that `sandbox` accepts can be had; or a
+                                    function of a problem, if only some do (as tools=True always)
 
 The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or hangs
 scores 0 for that completion and is counted in reward/errors; the run goes on. Module state the reward
-changes therefore does not persist from batch to batch (reward_timeout=0 runs it in-process, no deadline).
+changes therefore does not persist from batch to batch. Every process a reward starts (a daemon that
+double-forks too) is ended when its call ends, and the reward's process dies with the trainer.
+reward_timeout=0 runs it in-process: no deadline, and what it starts is its own to end (a helper
+process may live across batches).
 """
 
 import importlib.util
@@ -32,11 +38,13 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 
+import sandbox
 from config import ConfigError, load_saved
 from data.files import is_data_path, load_rows
 from rewards import score_batch
@@ -56,6 +64,7 @@ class Task:
     weights: dict = field(default_factory=dict)
     columns: dict = field(default_factory=dict)
     check: object = None
+    runs_code: object = False  # RUNS_CODE: True, False, or a function of a problem
 
 
 def builtin_tasks():
@@ -102,10 +111,34 @@ def load_task(cfg):
     if hasattr(module, "configure"):
         module.configure(cfg)
     extras = {"completion_prefix": getattr(module, "COMPLETION_PREFIX", ""), "weights": getattr(module, "WEIGHTS", {}),
-              "columns": getattr(module, "COLUMNS", {}), "check": getattr(module, "check", None)}
+              "columns": getattr(module, "COLUMNS", {}), "check": getattr(module, "check", None),
+              "runs_code": getattr(module, "RUNS_CODE", False)}
     if not isinstance(extras["completion_prefix"], str) or not isinstance(extras["weights"], dict):
         raise ConfigError(f"task file {path}: COMPLETION_PREFIX must be a string and WEIGHTS a dict of floats")
+    if not isinstance(extras["runs_code"], bool) and not callable(extras["runs_code"]):
+        raise ConfigError(f"task file {path}: RUNS_CODE must be True, False or a function of a "
+                          "problem")
     return Task(path, None if data_path else module.problems, module.prompt, module.reward, **extras)
+
+
+def check_sandbox(cfg, task, problems):
+    """Pre-flight: where the model's code runs (tools=True, or RUNS_CODE for any of `problems`),
+    the sandbox cfg.sandbox accepts must be had here, or the run stops, saying what is missing.
+    Sets that tier for every later call, in this process and the reward workers it forks."""
+    sandbox.ALLOWED = cfg.sandbox
+    runs = task.runs_code if callable(task.runs_code) else lambda problem: task.runs_code
+    if not cfg.tools and not any(runs(p) for p in problems):
+        return
+    who = "tools=True runs the model's code" if cfg.tools else f"{task.where} runs the model's code"
+    tier, why = sandbox.best()
+    if sandbox.TIERS.index(tier) < sandbox.TIERS.index(cfg.sandbox):
+        raise ConfigError(f"{who}, but the {cfg.sandbox} sandbox cannot be built here: {why}. "
+                          "Run on Linux as root, or where unprivileged user namespaces are "
+                          "allowed, with util-linux (unshare, setpriv); or accept what this "
+                          f"machine gives by name: --sandbox={tier} ({sandbox.GIVES[tier]})")
+    if cfg.sandbox != "full":
+        print(f"sandbox={cfg.sandbox}: {who} in the {tier} sandbox ({sandbox.GIVES[tier]})"
+              + (f"; {why}" if why else ""))
 
 
 # ---------------------------------------------------------------- problems and prompts
@@ -190,23 +223,85 @@ def as_components(value):
     return {k: float(v) for k, v in value.items()}
 
 
-def _score_all(reward, jobs, send):
+def _score_all(reward, jobs, send, after=lambda: None):  # after(): after each call, before its send
     """Score each (i, text, problem) in order; send (i, components, "") or (i, "error" | "wrong type: ...", detail)."""
     for i, text, problem in jobs:
         try:
             value = reward(text, problem)
         except BaseException:  # anything the reward does, sys.exit included, fails only this completion
+            after()
             send((i, "error", traceback.format_exc()))
             continue
+        after()
         try:
             send((i, as_components(value), ""))
         except TypeError as e:
             send((i, str(e), ""))
 
 
-def _child(reward, jobs, conn):
-    _score_all(reward, jobs, conn.send)
+def _child(reward, jobs, conn, parent):
+    sandbox.die_with_parent(parent)  # kill -9 of the trainer ends this worker too
+    sandbox.become_subreaper()  # what the reward starts stays below the worker, even a daemon
+    _score_all(reward, jobs, conn.send, after=_end_leftovers)
     conn.close()
+
+
+def _live_children():
+    """{pid: [its live children]} of every process, from /proc (Linux; {} elsewhere)."""
+    children = {}
+    for name in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                # the name in (...) may hold spaces
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if state not in "ZX":
+            children.setdefault(int(ppid), []).append(int(name))
+    return children
+
+
+def end_tree(root, with_root=False):
+    """SIGKILL every live process below `root` (and root itself if with_root). Each is stopped
+    first, so none can fork or die (and so leave the tree) while the tree is read."""
+    stopped = {root} if with_root else set()
+    try:
+        _signal(stopped, signal.SIGSTOP)
+        while True:
+            children, todo, below = _live_children(), [root], set()
+            while todo:
+                kids = children.get(todo.pop(), [])
+                below.update(kids)
+                todo += kids
+            if not below - stopped:
+                break
+            _signal(below - stopped, signal.SIGSTOP)
+            stopped |= below
+    finally:  # a stopped process is never left behind
+        _signal(stopped, signal.SIGKILL)
+
+
+def _signal(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:  # gone already
+            pass
+
+
+def _end_leftovers():
+    """After a reward call in a worker (a child subreaper): kill and reap all the reward left."""
+    deadline, ended = time.monotonic() + 5, False
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # no child, so nothing below: an orphan would have become this process's child
+        if pid == 0 and not ended:
+            end_tree(os.getpid())
+            ended = True
+        elif pid == 0:
+            time.sleep(0.001)
 
 
 _REPORTED = set()  # the first failure of each kind is printed once per process, then only counted
@@ -224,7 +319,8 @@ def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False):
     """reward(text, problem) for each completion: a components dict, or a string saying why it failed
     ("error", "timeout", "wrong type: ..."). With timeout > 0, `workers` forked children each score a share
     in order; one that sends nothing for `timeout` s is killed, its completion marked "timeout", and a fresh
-    child goes on with the rest. timeout = 0: in this process, no deadline."""
+    child goes on with the rest. A worker kills every process its reward leaves (after each call),
+    and is killed with them on a timeout. timeout = 0: in this process, no deadline, none killed."""
     results, workers = [None] * len(texts), max(1, workers)
 
     def record(message):
@@ -241,7 +337,7 @@ def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False):
 
     def start(share):
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(reward, share, child), daemon=True)
+        proc = ctx.Process(target=_child, args=(reward, share, child, os.getpid()), daemon=True)
         proc.start()
         child.close()
         return parent, [proc, share, time.monotonic() + timeout]
@@ -259,7 +355,7 @@ def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False):
                     proc.join()
                     message, dead = (share[0][0], "error", f"its process died (exit code {proc.exitcode})"), True
             elif time.monotonic() >= deadline:
-                proc.kill()
+                end_tree(proc.pid, with_root=True)  # the worker and all its reward started
                 message, dead = (share[0][0], "timeout", f"no result within reward_timeout={timeout} s"), True
             else:
                 running[conn] = [proc, share, deadline]
@@ -296,6 +392,7 @@ def replay(path, config_path=None):
     """
     cfg = load_saved(config_path or os.path.join(os.path.dirname(os.path.abspath(path)), "config.json"))
     task = load_task(cfg)
+    sandbox.ALLOWED = cfg.sandbox  # code is re-run in the sandbox the run accepted, or fails
     rows, disagreements = 0, 0
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]

@@ -2,8 +2,8 @@
 
 Each problem asks for one function ("kth_largest(xs) returns the 2nd largest element ..."); its tests
 are calls with inputs drawn from the problem's own seed and the expected values of its reference
-solution (kept as "solution"), checked exactly by rewards.code_reward in its sandbox. correct = the
-share of tests passed.
+solution (kept as "solution"), checked exactly by rewards.code_reward: the calls run in the sandbox
+(sandbox.py), the expected values stay outside it. correct = the share of tests passed.
 An MBPP-style dataset works the same (data_path, one row per problem):
 
     {"prompt": "Write add(a, b) that returns a + b.", "tests": ["assert add(1, 2) == 3"]}
@@ -18,6 +18,7 @@ import random
 from data.split import draw_distinct
 from rewards import code_reward
 
+RUNS_CODE = True  # the reward runs the model's code: the run needs the sandbox (task.check_sandbox)
 PROMPT = (
     "Write a Python function {signature} that {task}. Think step by step inside <think> </think> tags, then "
     "give only the code, in a ```python block, inside <answer> </answer> tags."

@@ -21,6 +21,10 @@ def _task(problem):
     return code_task if "tests" in problem else math_task
 
 
+def RUNS_CODE(problem):  # a code row runs the model's code, in the sandbox (task.check_sandbox)
+    return _task(problem) is code_task
+
+
 def prompt(problem):
     return _task(problem).prompt(problem)
 

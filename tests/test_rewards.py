@@ -2,7 +2,6 @@
 
 import os
 import socket
-import subprocess
 import time
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sandbox
 from rewards import (
     after_tool_outputs,
     code_reward,
@@ -297,11 +297,24 @@ def test_always_equal_objects_do_not_pass_exact_tests():
 def test_code_fork_bomb_leaves_nothing_behind():
     bomb = ("import os\nfor _ in range(200):\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
             "def add(a, b): return a + b")
-    assert code_reward(C(bomb), ADD_TESTS, timeout=10.0)["correct"] == 1.0  # forks fail past RLIMIT_NPROC
+    # forks fail past the process limit
+    assert code_reward(C(bomb), ADD_TESTS, timeout=10.0)["correct"] == 1.0
     deadline = time.time() + 5  # processes of a killed sandbox die asynchronously; none may outlive it
-    while subprocess.run(["pgrep", "-u", "65534"], capture_output=True).returncode == 0 and time.time() < deadline:
+    while sandbox_processes() and time.time() < deadline:
         time.sleep(0.1)
-    assert subprocess.run(["pgrep", "-u", "65534"], capture_output=True).returncode == 1
+    assert sandbox_processes() == []
+
+
+def sandbox_processes():
+    """Processes running as a sandbox's uid (its own, from sandbox.UID_BASE up, as root)."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{name}").st_uid >= sandbox.UID_BASE:
+                found.append(int(name))
+        except OSError:
+            pass
+    return found
 
 
 def test_code_cannot_write_outside_or_read_secrets(tmp_path, monkeypatch):

@@ -13,8 +13,9 @@ from config import load_config
 from grpo import forward_logprobs, pad_batch
 from loss import grpo_loss
 from model import build_tiny, load_policy
-from rewards import code_reward, run_python
+from rewards import code_reward
 from rollout import TOOL_OUTPUT, Completion, ToolEngine, turn_seed
+from sandbox import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -233,9 +234,10 @@ def test_the_sandbox_sees_no_file_of_the_machine():
         assert ok and "work" not in out and "etc" not in out and "home" not in out, out
         out, ok = run_python("import torch")
         assert not ok and "ModuleNotFoundError" in out
-        # the code verifier's tests run in the same sandbox
-        leak = f"assert open({planted!r}).read()"
-        assert code_reward("```python\nx = 1\n```", [leak])["correct"] == 0.0
+        # the code under the verifier's tests runs in the same sandbox (the tests' values stay out)
+        leak = f"```python\ndef leak():\n    return open({planted!r}).read()\n```"
+        tests = ["assert leak()", {"call": "leak()", "expected": '{"answer": 299114}'}]
+        assert code_reward(leak, tests) == {"format": 0.0, "parsed": 1.0, "correct": 0.0}
         assert code_reward("```python\nx = 1\n```", ["import json, math, fractions\nassert math.gcd(4, 6) == 2"])[
             "correct"] == 1.0
     finally:
