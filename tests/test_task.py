@@ -220,6 +220,47 @@ def test_missing_or_unreachable_datasets_fail_clearly(tmp_path, monkeypatch):
         setup("--task=gsm8k")  # no data_path, and the task has no generator
 
 
+DEEP = b"[" * 50_000 + b"]" * 50_000  # json.loads: RecursionError (and under csv's cell limit)
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bin.jsonl", b'{"prompt": "ok", "answer": "1"}\n\xf7\x00\x01\n',
+         r"line 2: not UTF-8 text \(byte 0xf7"),
+        ("latin1.csv", "prompt,answer\nok,1\ncaf\xe9,2\n".encode("latin-1"),
+         r"line 3: not UTF-8 .*column 4"),
+        ("extra.csv", b"prompt,answer\nok,1\nWhat is 1,2?,3\n",
+         "line 3: the header names 2 columns, this row has 3"),
+        ("big.csv", b'prompt,answer\nok,1\n"' + b"x" * 200_000 + b'",2\n',
+         "line 3: field larger than field limit"),
+        ("deep.jsonl", b'{"prompt": "ok", "answer": "1"}\n{"prompt": ' + DEEP + b"}\n",
+         "line 2: JSON nested too deeply"),
+        ("deep.csv", b"prompt,answer\nok," + DEEP + b"\n", "line 2: a cell's JSON is nested too"),
+    ],
+    ids=["binary", "latin-1", "extra field", "long cell", "deep jsonl", "deep csv"],
+)
+def test_unreadable_data_files_name_the_file_and_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    cfg, task = setup(f"--task={path}")
+    with pytest.raises(DataError, match=f"{name}, {message}"):
+        load_problems(cfg, task, "train")
+
+
+def test_an_empty_or_truncated_datasets_folder_fails_naming_it(tmp_path):
+    (tmp_path / "empty").mkdir()
+    cfg, task = setup(f"--task={tmp_path / 'empty'}")
+    with pytest.raises(DataError, match="empty': cannot read this folder as a dataset .*Empty"):
+        load_problems(cfg, task, "train")
+    path = write_dataset(tmp_path, "datasets_disk", MATH_ROWS)
+    arrow = next(f for f in os.listdir(os.path.join(path, "train")) if f.endswith(".arrow"))
+    os.truncate(os.path.join(path, "train", arrow), 100)  # a copy cut short
+    cfg, task = setup(f"--task={path}")
+    with pytest.raises(DataError, match="saved': cannot read this folder as a dataset"):
+        load_problems(cfg, task, "train")
+
+
 def test_gsm8k_task_and_run_file_on_a_local_parquet(tmp_path):
     rows = [{"question": f"Natalia sold {i} clips, then as many again. How many?",
              "answer": f"{i} + {i} = {2 * i}\n#### {2 * i:,}"} for i in range(500, 560)]
