@@ -339,6 +339,73 @@ def test_a_faulty_task_file_fails_in_preflight_naming_the_file_and_the_function(
         assert not os.path.exists(tmp_path / "run" / "tiny_model")
 
 
+REWARD = "def reward(completion, problem):\n    return 1.0\n"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        # once failed late: the sample dump crashed; the model crashed; the run trained on zeros
+        (PROBLEMS.replace('"i": i}', '"i": i, "seen": {i}}') + PROMPT + REWARD,
+         r"mytask.py: problem train0 holds what JSON cannot write \(Object of type set"),
+        (PROBLEMS + 'def prompt(problem):\n    return ""\n' + REWARD,
+         r"mytask.py: prompt\(\) returned '' for problem train0: the model needs some text"),
+        (PROBLEMS + PROMPT + "def reward(completion):\n    return 1.0\n",
+         r"mytask.py: reward\(completion\) cannot be called as reward\(completion, problem\)"),
+        ("def problems(split, n):\n    return []\n" + PROMPT + REWARD,
+         r"problems\(split, n\) cannot be called as problems\(split, n, seed\)"),
+    ],
+    ids=["a set in a problem", "an empty prompt", "a reward of one argument", "problems of two"],
+)
+def test_a_task_file_that_failed_late_fails_before_a_model_loads(tmp_path, monkeypatch, body,
+                                                                 message):
+    def no_model(*args):
+        raise AssertionError("a model would load")
+
+    monkeypatch.setattr(grpo, "build_models", no_model)
+    path = write_task(tmp_path, body)
+    with pytest.raises(ConfigError, match=message):
+        grpo.main(["--config", TINY, f"--out_dir={tmp_path}/run", f"--task={path}"])
+    assert not os.path.exists(tmp_path / "run" / "tiny_model")
+
+
+def test_an_int_reward_too_large_for_a_float_is_a_counted_wrong_type(monkeypatch):
+    monkeypatch.setattr(task_module, "_REPORTED", set())
+
+    def reward(text, problem):
+        huge = {"int": 10**400, "dict": {"big": 10**400, "score": 1.0}}
+        return huge.get(text, 0.5)
+
+    for timeout in (0, 5.0):  # in this process (OverflowError escaped), and in a child
+        got = run_rewards(reward, ["int", "ok", "dict"], [{}] * 3, timeout=timeout)
+        wrong = "wrong type: returned an integer too large for a float"
+        assert got == [wrong, {"score": 0.5}, wrong], timeout
+
+
+def test_a_huge_prompt_fails_before_it_is_tokenised(tokenizer, tmp_path):
+    """A 1 MB prompt: a token covers at most 13 of the tiny tokenizer's characters, so it cannot fit
+    in 64 tokens and is never tokenised (a 100 MB one took gigabytes to tokenise, then failed)."""
+    huge = 'def prompt(problem):\n    return "7 " * problem.get("repeat", 500_000)\n'
+    path = write_task(tmp_path, PROBLEMS + huge + REWARD)
+    cfg, task = setup(f"--task={path}")
+    seen = []
+
+    class Spy:  # the tokenizer, noting the length of each text it tokenises
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, text, **kwargs):
+            seen.append(len(text))
+            return tokenizer(text, **kwargs)
+
+    with pytest.raises(ConfigError, match="prompt train0 has 1000000 characters, more than max"):
+        tokenize_prompts(Spy(), task, load_problems(cfg, task, "train")[:1], 64)
+    assert seen == []
+    short = {"id": "s", "repeat": 3}  # one that may fit is tokenised as before
+    assert tokenize_prompts(Spy(), task, [short], 64) == [tokenizer("7 7 7 ").input_ids]
+    assert seen == [len(task.prompt(short))]
+
+
 def test_a_raising_hanging_dying_or_mistyped_reward_fails_only_its_completion(monkeypatch, capsys):
     monkeypatch.setattr(task_module, "_REPORTED", set())
 
