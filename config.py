@@ -451,7 +451,8 @@ def validate(cfg):
     # nan passes every comparison below (nan < 0 is False); inf overflows the sampler and optimizer
     for f in dataclasses.fields(Config):
         value = getattr(cfg, f.name)
-        if f.init and any(isinstance(v, float) and not math.isfinite(v) for v in _items(value)):
+        items = value if isinstance(value, tuple) else (value,)
+        if f.init and any(isinstance(v, float) and not math.isfinite(v) for v in items):
             raise ConfigError(f"{f.name}={value} must be a finite number (default {f.default})")
     check_out_dir(cfg.out_dir)
     check_machine(cfg)
@@ -570,10 +571,6 @@ def validate(cfg):
             f"or lower max_completion_len"
         )
     return cfg
-
-
-def _items(value):
-    return value if isinstance(value, tuple) else (value,)
 
 
 def check_out_dir(path):
