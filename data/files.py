@@ -74,8 +74,8 @@ def read_csv(path):
         lineno = reader.line_num + 1  # where the next row starts (a quoted cell may span lines)
         for cells in reader:
             if cells and len(cells) != len(header):
-                raise DataError(f"{path}, line {lineno}: the header names {len(header)} columns, this "
-                                f"row has {len(cells)} cells; quote a cell that holds a comma")
+                raise DataError(f"{path}, line {lineno}: the header names {len(header)} columns, "
+                                f"this row has {len(cells)} cells; quote a cell that holds a comma")
             if cells:
                 row = {key: json_list(cell, path, lineno) for key, cell in zip(header, cells)}
                 rows.append((lineno, row))
