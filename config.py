@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import difflib
 import json
+import math
 import os
 import sys
 import warnings
@@ -32,6 +33,7 @@ class Config:
     engine: str = "auto"  # R1: "vllm" | "hf" (transformers generate) | "auto" = vllm where it is installed
     device: str = "auto"  # "cuda" | "cpu" | "auto" = cuda when available
     resume: bool = False  # continue from the newest complete checkpoint in out_dir: same prompts, same metrics
+    resume_changed: bool = False  # resume though RUN_SETTINGS changed; False = refuse, naming each
     init_from: str = ""  # start from these weights (an HF folder or a ckpt_* folder) instead of `model`; "" = model
     eval_only: bool = False  # M2: evaluate the weights on the test split, print and append to out_dir/eval.jsonl, exit
     save_every: int = 10  # checkpoint every N steps (and always at the end); 0 = only at the end
@@ -227,6 +229,45 @@ CHOICES = {
     "parallel": ("fsdp", "ddp"),
     "sandbox": ("full", "namespaces", "none"),
 }
+# R4/R5: vLLM raises any temperature below this to it (lower ones give nan or inf), so the sampler
+# and the trainer would divide the logits by different temperatures
+MIN_TEMPERATURE = 0.01
+
+# What makes a run the run it is. A resume with one of these changed would continue some other run
+# from this one's weights, optimizer state and place in the data, so it is refused unless
+# resume_changed=True. The rest may change on resume: the run's length (max_steps), eval, logging,
+# checkpoints, max_prompt_len (a bound every prompt is checked against), and how a step is computed
+# (engine, device, dtype, micro-batches, memory, deadlines): speed, memory or rounding, not the aim.
+RUN_SETTINGS = (
+    # the weights a checkpoint holds, and the base they apply to under LoRA
+    "model", "init_from", "lora_rank", "lora_alpha",
+    # the problems (D1): the sampler's saved state indexes them; other problems, another data order
+    "task", "data_path", "data_name", "data_columns", "data_seed", "train_size",
+    "countdown_numbers", "countdown_max_number", "countdown_max_target",
+    "math_kinds", "math_max_number",
+    # the data order and sampling seeds (D3), and the curriculum's buckets (D2)
+    "seed", "curriculum", "curriculum_easy_above", "curriculum_hard_below", "curriculum_ramp_steps",
+    # the batch and the updates per batch (R3, L7)
+    "group_size", "batch_size", "mini_batches", "num_iterations",
+    # what is sampled and which groups train (R4-R7), and what a rollout may do (tools)
+    "max_completion_len", "temperature", "temperature_end", "top_p", "top_k", "mask_truncated",
+    "dynamic_sampling", "dynamic_sampling_rounds",
+    "tools", "max_tool_calls", "tool_output_chars", "tool_open", "tool_close",
+    # the reward (W1-W3): what is learned
+    "format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "reward_weights",
+    "length_soft_limit", "length_penalty", "length_penalty_tokens", "length_min",
+    "math_last_number", "tool_error_penalty",
+    # the objective (A1-A3, L1-L8, R2)
+    "adv_baseline", "adv_scale", "adv_std_floor", "adv_zero_std_groups", "adv_clip",
+    "clip_eps", "clip_eps_high", "loss_agg", "ratio_level", "policy_loss", "dual_clip",
+    "sapo_tau_pos", "sapo_tau_neg", "entropy_coef", "entropy_top_quantile",
+    "is_correction", "is_mode", "is_cap", "is_seq_cap",
+    # the KL term (L4, F1, F2); a resume takes beta from the checkpoint: a new one would go unseen
+    "beta", "kl_estimator", "ref_refresh_steps",
+    "adaptive_kl", "kl_window", "kl_high", "kl_low", "kl_up", "kl_down",
+    # the optimizer and its schedule (O1, O2)
+    "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "adam_betas", "grad_clip",
+)
 
 
 class ConfigError(ValueError):
@@ -244,6 +285,13 @@ def derive(cfg):
         cfg.dtype = "bfloat16" if on_gpu(cfg) else "float32"
     cfg.parity_warn_eff = cfg.parity_warn or PARITY_WARN[cfg.dtype]
     return cfg
+
+
+def changed_settings(cfg, saved):
+    """[(name, saved value, value now)] for each of RUN_SETTINGS where `saved` (save_config's JSON)
+    differs from cfg."""
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples become the lists the JSON holds
+    return [(k, saved[k], now[k]) for k in RUN_SETTINGS if k in saved and saved[k] != now[k]]
 
 
 def pairs(name, text):
@@ -403,6 +451,17 @@ def validate(cfg):
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name}={getattr(cfg, name)!r}; choose one of {allowed}")
+    # nan passes every comparison below (nan < 0 is False); inf overflows the sampler and optimizer
+    for f in dataclasses.fields(Config):
+        value = getattr(cfg, f.name)
+        items = value if isinstance(value, tuple) else (value,)
+        if f.init and any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            raise ConfigError(f"{f.name}={value} must be a finite number (default {f.default})")
+    check_out_dir(cfg.out_dir)
+    check_machine(cfg)
+    if cfg.batch_size < 1:
+        raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1: the completions of a step, a "
+                          f"multiple of group_size={cfg.group_size} (e.g. {8 * cfg.group_size})")
     if cfg.group_size < 2:
         raise ConfigError(
             f"group_size={cfg.group_size}: GRPO needs >= 2 completions per prompt to form a baseline (R3)"
@@ -446,6 +505,9 @@ def validate(cfg):
         raise ConfigError(f"countdown_numbers={cfg.countdown_numbers}: use counts from 2 to 6, e.g. (3, 4)")
     if len(cfg.adam_betas) != 2:
         raise ConfigError(f"adam_betas={cfg.adam_betas} must be two numbers, e.g. 0.9,0.99")
+    if not all(0 <= b < 1 for b in cfg.adam_betas):
+        raise ConfigError(f"adam_betas={cfg.adam_betas}: each must be in [0, 1), e.g. 0.9,0.99 "
+                          "(AdamW's decay rates)")
     if not 0 <= cfg.curriculum_hard_below <= cfg.curriculum_easy_above <= 1:
         raise ConfigError("need 0 <= curriculum_hard_below <= curriculum_easy_above <= 1 (D2)")
     if not 0 < cfg.clip_eps < 1:
@@ -493,6 +555,11 @@ def validate(cfg):
         raise ConfigError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1); 0.3-0.5 (R1)")
     if not 0 < cfg.temperature or not 0 < cfg.top_p <= 1:
         raise ConfigError(f"temperature={cfg.temperature} must be > 0 and top_p={cfg.top_p} in (0, 1]")
+    for name in ("temperature", "temperature_end"):  # temperature_end 0 = constant
+        if 0 < getattr(cfg, name) < MIN_TEMPERATURE:
+            raise ConfigError(f"{name}={getattr(cfg, name)} is below {MIN_TEMPERATURE}, where "
+                              "logits / temperature give nan or inf (vLLM raises it to "
+                              f"{MIN_TEMPERATURE}, the trainer would not); sample at 0.7-1.0 (R4)")
     if not cfg.tool_open or not cfg.tool_close or cfg.tool_close in cfg.tool_open:
         raise ConfigError(f"tool_open={cfg.tool_open!r}, tool_close={cfg.tool_close!r}: both non-empty, and the close "
                           "not inside the open (generation stops at the close), e.g. <python> and </python>")
@@ -507,6 +574,38 @@ def validate(cfg):
             f"or lower max_completion_len"
         )
     return cfg
+
+
+def check_out_dir(path):
+    """out_dir is a folder, or one that can be made: not empty, not a file, a writable parent."""
+    if not path.strip():
+        raise ConfigError("out_dir is empty; name the run's folder (metrics, samples, "
+                          "checkpoints), e.g. out/myrun")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"out_dir={path!r} is a file, not a folder; choose another out_dir")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):  # the folder that makedirs would create the rest under
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        why = "is a file" if not os.path.isdir(parent) else "is not writable"
+        raise ConfigError(f"out_dir={path!r} cannot be created: {parent} {why}; choose another")
+
+
+def check_machine(cfg):
+    """Settings that ask this machine for what it lacks: a GPU, the wandb or tensorboard package."""
+    import importlib.util
+
+    import torch
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda', but torch sees no CUDA GPU here; use --device=cpu "
+                          "or auto")
+    for name, package in (("wandb_project", "wandb"), ("tensorboard", "tensorboard")):
+        if getattr(cfg, name) and importlib.util.find_spec(package) is None:
+            off = getattr(Config(), name)
+            raise ConfigError(f"{name}={getattr(cfg, name)!r} needs the {package} package: "
+                              f"pip install {package}, or set {name}={off!r} (off; metrics.jsonl "
+                              "has every metric)")
 
 
 def warn_misleading(cfg):

@@ -29,6 +29,8 @@ Where this departs from the GRPO paper (each is a setting in config.py):
 """
 
 import dataclasses
+import errno
+import fcntl
 import functools
 import glob
 import json
@@ -36,6 +38,7 @@ import math
 import os
 import random
 import shutil
+import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -46,7 +49,7 @@ from tqdm import tqdm
 
 import parallel
 from advantage import group_advantages, group_stats
-from config import ConfigError, config_from_argv, save_config
+from config import ConfigError, changed_settings, config_from_argv, save_config
 from data.sampler import CurriculumSampler, PromptSampler
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
 from model import (
@@ -837,9 +840,7 @@ def save_checkpoint(cfg, policy, ref, tokenizer, optimizer, sampler, state):
     policy.save_pretrained(tmp, state_dict=model_state)  # with LoRA: the adapter only
     tokenizer.save_pretrained(tmp)
     torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda_rng},
-               os.path.join(tmp, "rng.pt"))
+    torch.save(rng_states(), os.path.join(tmp, "rng.pt"))
     if ref_state is not None:
         torch.save(ref_state, os.path.join(tmp, "reference.pt"))
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
@@ -860,26 +861,53 @@ def load_checkpoint(folder, cfg, policy, ref, optimizer, sampler):
     state = TrainState(**{k: saved[k] for k in ("step", "beta", "kl_history", "nonfinite_in_a_row")},
                        run_id=saved.get("run_id", ""))
     parallel.load_optimizer(policy, optimizer, torch.load(os.path.join(folder, "optimizer.pt")))
-    rng = torch.load(os.path.join(folder, "rng.pt"), weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    restore_rng(torch.load(os.path.join(folder, "rng.pt"), weights_only=False))
     if ref is not None and cfg.ref_refresh_steps:
         parallel.load_model(ref, torch.load(os.path.join(folder, "reference.pt")))
-    for log in ("metrics.jsonl", "samples.jsonl") if parallel.rank() == 0 else ():
-        truncate_log(os.path.join(cfg.out_dir, log), state.step)
     print(f"resumed from {folder} at step {state.step}")
     return state
 
 
+def rng_states():
+    """The RNG states a checkpoint keeps. CUDA's is this process's device's only: the run may resume
+    on fewer GPUs than it was saved on."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda}
+
+
+def restore_rng(rng):
+    """Restore rng_states(); the CUDA state goes to this process's device."""
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    cuda = rng["cuda"]
+    if isinstance(cuda, list):  # an older checkpoint's: every visible device's, rank 0's own first
+        cuda = cuda[0] if cuda else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
+
+
 def truncate_log(path, step):
-    """Drop the lines of steps >= step from a JSONL log: they were written after the checkpoint we resume from."""
+    """Drop the lines of steps >= step from a JSONL log: they were written after the checkpoint we
+    resume from. A torn last line (a kill or a full disk mid-write) is dropped too, and said; a
+    damaged line elsewhere is an error naming it."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] < step]
-    with open(path + ".tmp", "w") as f:
+    with open(path, "rb") as f:
+        lines = f.read().splitlines() if step else []  # from step 0 nothing is kept
+    keep = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            logged = json.loads(line)["step"] if line.strip() else step
+        except (ValueError, KeyError, TypeError):
+            if lineno < len(lines):
+                raise ConfigError(f"{path}, line {lineno} is not a log record; delete that line, "
+                                  "or every line from it on, and resume again") from None
+            print(f"{path}: its last line was cut off mid-write (the run was killed, or the disk "
+                  "filled); dropped it")
+            continue
+        if logged < step:
+            keep.append(line + b"\n")
+    with open(path + ".tmp", "wb") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
 
@@ -906,6 +934,107 @@ def end_step(cfg, step, metrics, t_step, engine, policy, test, logger, save):
 # ---------------------------------------------------------------- setting up a run
 
 
+OUT_DIR_LOCKS = {}  # out_dir/.lock -> its open file: the lock lasts while the file stays open
+
+
+def lock_out_dir(out_dir):
+    """Hold out_dir/.lock for the life of this process, or fail at once naming the one holding it.
+
+    A POSIX lock (lockf): the kernel drops it when its process ends, however it ends, so a killed
+    run's lock never blocks; and unlike flock's, the processes forked later do not hold it too.
+    """
+    path = os.path.join(out_dir, ".lock")
+    held = OUT_DIR_LOCKS.get(os.path.realpath(path))
+    if held and os.path.exists(path) and os.path.samestat(os.fstat(held.fileno()), os.stat(path)):
+        return  # this process holds it (main called again)
+    f = open(path, "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks
+            print(f"warning: cannot lock {path} ({e.strerror}); nothing stops a second run on "
+                  "this out_dir")
+            return
+        raise ConfigError(f"out_dir {out_dir} is in use by {holder}: one run per out_dir; wait for "
+                          "it or stop it, or give this run another --out_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    OUT_DIR_LOCKS[os.path.realpath(path)] = f
+
+
+def run_files(out_dir):
+    """What a run leaves in out_dir: its logs (when not empty) and its checkpoint folders."""
+    logs = [os.path.join(out_dir, name) for name in ("metrics.jsonl", "samples.jsonl")]
+    logs = [os.path.basename(p) for p in logs if os.path.isfile(p) and os.path.getsize(p)]
+    return logs + [os.path.basename(c) for c in checkpoints(out_dir)]
+
+
+def claim_out_dir(cfg, rank):
+    """Make out_dir this run's: locked while it runs, no other run's files in a fresh run; on resume
+    the checkpoint's settings, the logs cut back to its step. Returns the checkpoint, or None."""
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"out_dir={cfg.out_dir!r} cannot be created: {e.strerror}") from None
+    if rank == 0:
+        lock_out_dir(cfg.out_dir)
+    found = run_files(cfg.out_dir)
+    if not cfg.resume:
+        if found and not cfg.eval_only:  # eval_only only appends to eval.jsonl
+            raise ConfigError(f"{cfg.out_dir} already holds a run ({', '.join(found)}), which a "
+                              "fresh run would mix with; continue it with --resume=true, or give "
+                              "this run another --out_dir (or delete those)")
+        return None
+    resume_from = (checkpoints(cfg.out_dir) or [None])[-1]
+    if cfg.eval_only:  # evaluates the checkpoint; the run's logs stay as they are
+        return resume_from
+    if resume_from:
+        step = checkpoint_step(resume_from)
+        check_same_run(cfg, resume_from)
+    else:  # killed before its first checkpoint
+        step = 0
+        cleared = ", its logs cleared" if found else ""
+        print(f"resume=True, but {cfg.out_dir} holds no complete checkpoint yet: starting from "
+              f"step 0{cleared}")
+    for log in ("metrics.jsonl", "samples.jsonl") if rank == 0 else ():
+        truncate_log(os.path.join(cfg.out_dir, log), step)
+    return resume_from
+
+
+def checkpoint_step(folder):
+    """The step a checkpoint was saved after (its trainer_state.json)."""
+    path = os.path.join(folder, "trainer_state.json")
+    try:
+        with open(path) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} cannot be read ({e}): {folder} is not a checkpoint of grpo.py; "
+                          "move it out of out_dir") from None
+
+
+def check_same_run(cfg, folder):
+    """A resume goes on with the checkpoint's run: its RUN_SETTINGS (unless resume_changed)."""
+    path = os.path.join(folder, "grpo_config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read ({e}): {folder} is not a checkpoint of grpo.py; "
+                          "move it out of out_dir") from None
+    changed = ", ".join(f"{k} {was!r} -> {now!r}" for k, was, now in changed_settings(cfg, saved))
+    if changed and not cfg.resume_changed:
+        raise ConfigError(f"settings changed since {folder} was saved: {changed}. Resume with the "
+                          "checkpoint's settings, pass --resume_changed=true to go on with the new "
+                          "ones, or start a new run in another --out_dir")
+    if changed:
+        print(f"resume_changed=True: going on from {folder} with changed settings: {changed}")
+
+
 def prepare_run(argv):
     """Config, pre-flight, the model folder, the data: everything that can fail fails before a model loads (O6)."""
     cfg = config_from_argv(argv)
@@ -925,23 +1054,14 @@ def prepare_run(argv):
         raise ConfigError(str(e)) from e
     check_sandbox(cfg, task, problems[0] + problems[1])  # the model's code runs only sandboxed
     check_task_output(task, problems[0], cfg)  # a prompt() or reward() of the wrong type fails before a model loads
-    log = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if not cfg.resume and not cfg.eval_only and os.path.exists(log) and os.path.getsize(log):
-        raise ConfigError(f"{cfg.out_dir} already holds a run (its metrics.jsonl), which a fresh run would append "
-                          "to; continue it with --resume=true, or give this run another --out_dir (or delete it)")
+    resume_from = claim_out_dir(cfg, rank)  # a second run, another run's files, changed settings
     with parallel.local_rank0_first():  # one rank per machine builds or converts the model folder, tidies out_dir
-        os.makedirs(cfg.out_dir, exist_ok=True)
         path = model_path(cfg)
         for partial in glob.glob(os.path.join(cfg.out_dir, ".tmp_ckpt_*")):  # a save that was killed midway
             shutil.rmtree(partial, ignore_errors=True)  # (out_dir may be shared by several machines)
     check_model_source(path)
     if cfg.init_from:
         check_model_source(cfg.init_from)
-    resume_from = None
-    if cfg.resume:
-        if not checkpoints(cfg.out_dir):
-            raise ConfigError(f"resume=True but {cfg.out_dir} has no complete checkpoint (ckpt_*)")
-        resume_from = checkpoints(cfg.out_dir)[-1]
     if rank == 0:
         save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
     return cfg, device, path, resume_from, task, problems

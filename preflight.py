@@ -8,11 +8,12 @@ SHAPES holds the few config.json fields of the models the shipped run files use,
 needs no download; any other model is read from its local config.json.
 """
 
+import importlib.util
 import json
 import os
 import sys
 
-from config import ConfigError
+from config import ConfigError, on_gpu
 from loss import head_chunk
 
 # Shapes of the models the shipped run files use, so pre-flight needs no download.
@@ -21,12 +22,14 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True),
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                         max_position_embeddings=8192),
     "Qwen/Qwen2.5-3B-Instruct": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
                                      num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                                     tie_word_embeddings=True),
+                                     tie_word_embeddings=True, max_position_embeddings=32768),
     "Qwen/Qwen2.5-3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                            num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),  # the base
+                            num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True,
+                            max_position_embeddings=32768),  # the base
 }
 
 
@@ -223,12 +226,51 @@ def device_memory_gib(cfg):
 CPU_RUN_GIB = 16  # O6: an update estimated above this, with no GPU, needs an explicit --device=cpu
 
 
+def available_memory_gib():
+    """GiB this machine can give now (MemAvailable in /proc/meminfo); None where it cannot say."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kib / 2**20
+
+
+def check_kv_cache(cfg):
+    """On a CPU, vLLM takes vllm_cpu_kv_cache_gb of RAM for its KV cache as it starts: it must be
+    free."""
+    installed = importlib.util.find_spec("vllm") is not None
+    vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and installed)
+    # a VLLM_CPU_KVCACHE_SPACE set by hand wins over the setting (rollout.py)
+    if not vllm or on_gpu(cfg) or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return
+    free = available_memory_gib()
+    if free is not None and cfg.vllm_cpu_kv_cache_gb > free:
+        raise ConfigError(f"vllm_cpu_kv_cache_gb={cfg.vllm_cpu_kv_cache_gb}: vLLM takes that many "
+                          f"GiB of RAM for its KV cache, and this machine has {free:.1f} GiB free; "
+                          "lower it (1 holds the default run's cache) or use --engine=hf")
+
+
+def check_context(cfg, shape):
+    """A prompt and its completion fit in the model's context (max_position_embeddings)."""
+    limit = shape.get("max_position_embeddings")
+    longest = cfg.max_prompt_len + cfg.max_completion_len
+    if limit and longest > limit:
+        raise ConfigError(f"max_prompt_len + max_completion_len = {cfg.max_prompt_len} + "
+                          f"{cfg.max_completion_len} = {longest} tokens, beyond {cfg.model}'s "
+                          f"context of {limit} (max_position_embeddings in its config.json); "
+                          "lower them")
+
+
 def preflight(cfg):
-    """O6: print the memory estimate and fail if one update or the vLLM share cannot fit."""
+    """O6: fail if the KV cache, a prompt and its completion, one update or the vLLM share cannot
+    fit; print the memory estimate."""
+    check_kv_cache(cfg)
     shape = model_shape(cfg.model)
     if shape is None:
         print(f"pre-flight: cannot read {cfg.model}'s config.json offline; memory estimate skipped")
         return None
+    check_context(cfg, shape)
     est = estimate_memory(cfg, shape)
     total = device_memory_gib(cfg)
     resident, update = resident_memory(est), update_peak(est)

@@ -33,6 +33,7 @@ process may live across batches).
 """
 
 import importlib.util
+import inspect
 import json
 import math
 import multiprocessing
@@ -108,6 +109,10 @@ def load_task(cfg):
         if not callable(getattr(module, name, None)):
             hint = " (or set data_path to a dataset)" if name == "problems" else ""
             raise ConfigError(f"task file {path} defines no function {signature}{hint}")
+        # such a function fails only when called: a reward on every completion, each then scoring 0
+        if not binds(getattr(module, name), signature.count(",") + 1):
+            raise ConfigError(f"task file {path}: {name}{inspect.signature(getattr(module, name))} "
+                              f"cannot be called as {signature}")
     if hasattr(module, "configure"):
         module.configure(cfg)
     extras = {"completion_prefix": getattr(module, "COMPLETION_PREFIX", ""), "weights": getattr(module, "WEIGHTS", {}),
@@ -141,6 +146,17 @@ def check_sandbox(cfg, task, problems):
               + (f"; {why}" if why else ""))
 
 
+def binds(fn, count):
+    """False if fn cannot take `count` positional arguments (True where its signature is hidden)."""
+    try:
+        inspect.signature(fn).bind(*range(count))
+    except TypeError:
+        return False
+    except ValueError:  # a builtin without a signature: the call will tell
+        pass
+    return True
+
+
 # ---------------------------------------------------------------- problems and prompts
 
 
@@ -149,12 +165,26 @@ def load_problems(cfg, task, split):
     n = cfg.train_size if split == "train" else cfg.test_size
     if task.problems is None:
         columns = {**task.columns, **cfg.data_column_map}
-        return load_rows(cfg.data_path or cfg.task, split, n, columns, task.check, cfg.data_name)
+        rows = load_rows(cfg.data_path or cfg.task, split, n, columns, task.check, cfg.data_name)
+        return json_safe(task, rows)
     problems = task.problems(split, n, cfg.data_seed)
     if not isinstance(problems, list) or not problems or not all(isinstance(p, dict) for p in problems):
         raise ConfigError(f"{task.where}: problems({split!r}, {n}, {cfg.data_seed}) must return a non-empty list "
                           f"of dicts, got {type(problems).__name__}")
-    return [{**p, "id": str(p.get("id", f"{split}:{i}"))} for i, p in enumerate(problems)]
+    problems = [{**p, "id": str(p.get("id", f"{split}:{i}"))} for i, p in enumerate(problems)]
+    return json_safe(task, problems)
+
+
+def json_safe(task, problems):
+    """The problems, each checked to be writable as JSON: samples.jsonl stores them (W6)."""
+    for p in problems:
+        try:
+            json.dumps(p)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ConfigError(f"{task.where}: problem {p['id']} holds what JSON cannot write "
+                              f"({e}); keep problems to dicts, lists, strings, numbers, booleans "
+                              "and None") from None
+    return problems
 
 
 def prompt_text(tokenizer, task, problem):
@@ -178,11 +208,18 @@ def render(tokenizer, task, p):
 
 def tokenize_prompts(tokenizer, task, problems, max_prompt_len):
     """Prompt token ids; a prompt longer than max_prompt_len is an error, never cut."""
+    # A token covers at most `longest` characters of the normalised text, and NFC or NFKC (Qwen's)
+    # composes at most 4 characters into one: a longer text cannot fit, and is never tokenised whole
+    longest = max(map(len, tokenizer.get_vocab()))
     out = []
     for problem in problems:
         p = task.prompt(problem)
+        text = render(tokenizer, task, p)
+        if len(text) > 4 * (max_prompt_len + 1) * longest:
+            raise ConfigError(f"prompt {problem['id']} has {len(text)} characters, more than "
+                              f"max_prompt_len={max_prompt_len} tokens can hold; shorten it")
         # a chat template writes its own special tokens (BOS); a raw prompt gets the tokenizer's
-        ids = tokenizer(render(tokenizer, task, p), add_special_tokens=isinstance(p, str)).input_ids
+        ids = tokenizer(text, add_special_tokens=isinstance(p, str)).input_ids
         if len(ids) > max_prompt_len:
             raise ConfigError(f"prompt {problem['id']} has {len(ids)} tokens > max_prompt_len={max_prompt_len}; "
                               "raise it")
@@ -203,6 +240,9 @@ def check_task_output(task, problems, cfg):
         if not isinstance(out, str) and not is_chat(out):
             raise ConfigError(f"{task.where}: prompt() returned {out!r:.80} for problem {p['id']}; expected a raw "
                               "string or chat messages like [{'role': 'user', 'content': '...'}]")
+        if isinstance(out, str) and not (out + task.completion_prefix).strip():
+            raise ConfigError(f"{task.where}: prompt() returned {out!r} for problem {p['id']}: "
+                              "the model needs some text to continue")
     result = run_rewards(task.reward, [task.completion_prefix], problems[:1], cfg.reward_timeout, quiet=True)[0]
     if isinstance(result, str) and result.startswith("wrong type"):
         raise ConfigError(f"{task.where}: reward() {result}")
@@ -218,9 +258,13 @@ def as_components(value):
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
                                               for k, v in value.items()):
         raise TypeError(f"wrong type: returned {value!r:.80}; expected a float or a dict of named floats")
-    if not all(math.isfinite(v) for v in value.values()):
+    try:
+        floats = {k: float(v) for k, v in value.items()}
+    except OverflowError:  # an int past float's range, e.g. 10**400
+        raise TypeError("wrong type: returned an integer too large for a float") from None
+    if not all(math.isfinite(v) for v in floats.values()):
         raise TypeError(f"wrong type: returned a non-finite value {value!r:.80}")
-    return {k: float(v) for k, v in value.items()}
+    return floats
 
 
 def _score_all(reward, jobs, send, after=lambda: None):  # after(): after each call, before its send

@@ -12,6 +12,7 @@ else a fixed 10% of the rows by a hash of their content (data/split.py), so the 
 """
 
 import csv
+import io
 import json
 import os
 
@@ -30,35 +31,72 @@ def is_data_path(path):
     return path.endswith(FILE_KINDS) or os.path.isdir(path)
 
 
+def read_text(path):
+    """The file's text; a byte that is not UTF-8 (a binary file, another encoding) is an error
+    naming its line."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - data.rfind(b"\n", 0, e.start)
+        raise DataError(f"{path}, line {line}: not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                        f"column {column}); a binary file? Save the rows as UTF-8 text") from None
+
+
 def read_jsonl(path):
     """The rows of a JSONL file, each with its line number; a malformed line is an error naming it."""
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}, line {lineno}: expected a JSON object like {{\"prompt\": ..., ...}}")
-            rows.append((lineno, row))
+    for lineno, line in enumerate(read_text(path).split("\n"), 1):  # JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}, line {lineno}: not valid JSON "
+                            f"({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{path}, line {lineno}: JSON nested too deeply to read") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}, line {lineno}: expected a JSON object like "
+                            '{"prompt": ..., ...}')
+        rows.append((lineno, row))
     return rows
 
 
 def read_csv(path):
     """The rows of a CSV file with a header line; a cell holding a JSON list (a code task's tests) becomes the list."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    for row in rows:
-        for key, value in row.items():
-            if isinstance(value, str) and value.startswith("["):
-                try:
-                    row[key] = json.loads(value)
-                except json.JSONDecodeError:
-                    pass  # a string that starts with "[", not a list
-    return [(i + 2, row) for i, row in enumerate(rows)]  # line 1 is the header
+    reader = csv.reader(io.StringIO(read_text(path), newline=""))
+    rows, lineno = [], 1
+    try:
+        header = next(reader, [])
+        lineno = reader.line_num + 1  # where the next row starts (a quoted cell may span lines)
+        for cells in reader:
+            if cells and len(cells) != len(header):
+                raise DataError(f"{path}, line {lineno}: the header names {len(header)} columns, "
+                                f"this row has {len(cells)} cells; quote a cell that holds a comma")
+            if cells:
+                row = {key: json_list(cell, path, lineno) for key, cell in zip(header, cells)}
+                rows.append((lineno, row))
+            lineno = reader.line_num + 1
+    except csv.Error as e:  # e.g. a cell over csv's field limit of 128 KB
+        raise DataError(f"{path}, line {lineno}: {e}; long cells fit in .jsonl or .parquet "
+                        "files") from None
+    return rows
+
+
+def json_list(cell, path, lineno):
+    """A cell that holds a JSON list, as the list; any other cell as it is."""
+    if not cell.startswith("["):
+        return cell
+    try:
+        return json.loads(cell)
+    except json.JSONDecodeError:
+        return cell  # a string that starts with "[", not a list
+    except RecursionError:
+        raise DataError(f"{path}, line {lineno}: a cell's JSON is nested too deeply to "
+                        "read") from None
 
 
 def read_datasets(path, name):
@@ -95,7 +133,15 @@ def read_splits(path, name=""):
         import pyarrow.parquet
 
         return {"all": [(i + 1, row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]}
-    return read_datasets(path, name)
+    if not os.path.isdir(path):
+        return read_datasets(path, name)
+    try:
+        return read_datasets(path, name)
+    except Exception as e:  # an empty or half-copied folder fails deep in datasets or pyarrow
+        raise DataError(f"data_path={path!r}: cannot read this folder as a dataset "
+                        f"({type(e).__name__}: {e}); it must hold save_to_disk's files, or data "
+                        "files (.parquet, .jsonl, .csv) in load_dataset's layout; copy it again "
+                        "whole") from None
 
 
 def rows_of_split(splits, split):

@@ -238,3 +238,64 @@ def test_is_correction_settings():
         load_config(overrides=["--is_mode=clip"])
     with pytest.raises(ConfigError, match="is_seq_cap=1.0 must be > 1"):
         load_config(overrides=["--is_seq_cap=1"])
+
+
+# ---------------------------------------------------------------- settings that used to fail late
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--batch_size=0", "batch_size=0 must be >= 1"),  # a "successful" run with NaN rewards
+        ("--batch_size=-8", "batch_size=-8 must be >= 1"),
+        ("--lr=nan", r"lr=nan must be a finite number \(default 2e-05\)"),
+        ("--lr=inf", "lr=inf must be a finite number"),  # crashed the HF engine's sampling
+        ("--weight_decay=nan", "weight_decay=nan must be a finite number"),
+        ("--beta=nan", "beta=nan must be a finite number"),
+        ("--grad_clip=nan", "grad_clip=nan must be a finite number"),
+        # a hanging reward hung the run for good
+        ("--reward_timeout=nan", "reward_timeout=nan must be a finite number"),
+        ("--tool_timeout=nan", "tool_timeout=nan must be a finite number"),
+        ("--tool_timeout=inf", "tool_timeout=inf must be a finite number"),
+        ("--adam_betas=1.5,0.99", r"adam_betas=\(1.5, 0.99\): each must be in \[0, 1\)"),
+        ("--temperature=1e-30", "temperature=1e-30 is below 0.01"),
+        ("--temperature_end=0.001", "temperature_end=0.001 is below 0.01"),
+        ("--out_dir=", "out_dir is empty"),
+    ],
+)
+def test_settings_that_would_fail_late_fail_in_validation(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+def test_a_non_finite_item_of_a_tuple_setting_fails(tmp_path):
+    with pytest.raises(ConfigError, match=r"adam_betas=\(0.9, nan\) must be a finite number"):
+        load_config(write(tmp_path, "adam_betas = (0.9, float('nan'))\n"))
+    cfg = load_config(overrides=["--adam_betas=0,0.999", "--temperature_end=0.9"])
+    assert cfg.adam_betas == (0, 0.999)
+
+
+def test_an_out_dir_that_is_a_file_or_cannot_be_made_fails(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"out_dir='.*file' is a file, not a folder"):
+        load_config(overrides=[f"--out_dir={tmp_path}/file"])
+    with pytest.raises(ConfigError, match=r"out_dir='.*file/run' cannot be created: .*file is a"):
+        load_config(overrides=[f"--out_dir={tmp_path}/file/run"])
+    assert load_config(overrides=[f"--out_dir={tmp_path}/new/run"]).out_dir.endswith("new/run")
+    assert not os.path.exists(tmp_path / "new")  # validation creates nothing
+
+
+def test_a_gpu_or_a_logger_this_machine_lacks_fails(monkeypatch):
+    import sys
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="device='cuda', but torch sees no CUDA GPU here"):
+        load_config(overrides=["--device=cuda"])
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: find_spec gives None
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ConfigError, match="wandb_project='mine' needs the wandb package"):
+        load_config(overrides=["--wandb_project=mine"])
+    with pytest.raises(ConfigError, match="tensorboard=True needs the tensorboard package"):
+        load_config(overrides=["--tensorboard=true"])

@@ -6,6 +6,7 @@ Each vLLM run spends ~20 s starting the engine on this CPU; the loop itself is ~
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -145,6 +146,117 @@ def test_kill_at_any_moment_then_resume(tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt_000012")  # a complete, loadable HF folder
 
 
+TINY = ["--config", os.path.join(ROOT, "config", "tiny.py")]
+
+
+def fake_checkpoint(out_dir, step, *overrides):
+    """A checkpoint folder as far as a resume reads it before a model loads: its step and config."""
+    folder = out_dir / f"ckpt_{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
+    config.save_config(config.config_from_argv([*TINY, *overrides]), folder / "grpo_config.json")
+    return folder
+
+
+def write_log(path, steps, tail=""):
+    path.write_text("".join(json.dumps({"step": s, "reward": 0.5}) + "\n" for s in steps) + tail)
+
+
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path, capsys):
+    out = f"--out_dir={tmp_path}"
+    write_log(tmp_path / "metrics.jsonl", [0, 1, 2])  # killed in step 3, before its first save
+    write_log(tmp_path / "samples.jsonl", [0])
+    with pytest.raises(ConfigError, match="run .*metrics.jsonl, samples.jsonl.* --resume=true"):
+        grpo.prepare_run([*TINY, out])
+    assert grpo.prepare_run([*TINY, out, "--resume=true"])[3] is None  # no checkpoint to load
+    said = "no complete checkpoint yet: starting from step 0, its logs cleared"
+    assert said in capsys.readouterr().out
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert (tmp_path / "samples.jsonl").read_text() == ""
+    grpo.prepare_run([*TINY, out])  # nothing of a run is left: a fresh run may start here too
+
+
+def test_a_torn_last_log_line_is_dropped_before_any_model_loads(tmp_path, capsys):
+    resume = [*TINY, f"--out_dir={tmp_path}", "--resume=true"]
+    fake_checkpoint(tmp_path, 2)
+    write_log(tmp_path / "metrics.jsonl", [0, 1, 2, 3], tail='{"step": 4, "rew')  # a full disk
+    write_log(tmp_path / "samples.jsonl", [0, 0, 1], tail="\xff\xfe")
+    assert grpo.prepare_run(resume)[3] == str(tmp_path / "ckpt_000002")
+    assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
+    assert [m["step"] for m in read_jsonl(tmp_path / "samples.jsonl")] == [0, 0, 1]
+    assert capsys.readouterr().out.count("its last line was cut off mid-write") == 2
+    write_log(tmp_path / "metrics.jsonl", [0], tail='{"st\n' + json.dumps({"step": 1}) + "\n")
+    with pytest.raises(ConfigError, match="metrics.jsonl, line 2 is not a log record; delete that"):
+        grpo.prepare_run(resume)
+
+
+def test_a_run_owns_its_out_dir(tmp_path):
+    """A fresh run refuses another run's checkpoint; a resume refuses changed settings unless told;
+    a second process on the same out_dir fails at once, until the first is killed."""
+    fake_checkpoint(tmp_path / "foreign", 5)  # another run's checkpoint, and no logs
+    with pytest.raises(ConfigError, match=r"already holds a run \(ckpt_000005\)"):
+        grpo.prepare_run([*TINY, f"--out_dir={tmp_path / 'foreign'}"])
+    fake_checkpoint(tmp_path / "run", 4)
+    resume = [*TINY, f"--out_dir={tmp_path / 'run'}", "--resume=true"]
+    changed = "task 'digits' -> 'countdown', batch_size 16 -> 32. .* --resume_changed=true"
+    with pytest.raises(ConfigError, match="settings changed since .*ckpt_000004 was saved: " +
+                       changed):
+        grpo.prepare_run([*resume, "--task=countdown", "--batch_size=32"])
+    # how long, how often to eval and save, and how a step is computed may change
+    grpo.prepare_run([*resume, "--max_steps=50", "--eval_every=5", "--save_every=1", "--engine=hf"])
+    grpo.prepare_run([*resume, "--batch_size=32", "--resume_changed=true"])
+    # a second process: the lock names it; killed, it leaves its lock file and frees the out_dir
+    second = [*TINY, f"--out_dir={tmp_path / 'b'}"]
+    code = ("import grpo, sys, time; grpo.prepare_run(sys.argv[1:]); print('ready', flush=True); "
+            "time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code, *second], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "ready\n" in iter(holder.stdout.readline, "")  # read up to its "ready" line
+        with pytest.raises(ConfigError, match=f"in use by process {holder.pid} on .*: one run per"):
+            grpo.prepare_run(second)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / "b" / ".lock").exists()
+    grpo.prepare_run(second)
+    grpo.prepare_run(second)  # this process holds the lock: a second call is fine
+
+
+def test_resume_on_fewer_gpus_restores_this_devices_cuda_rng(tmp_path, monkeypatch):
+    """rng.pt from a 4-GPU run (rank 0 saved every visible device's CUDA RNG), resumed on one GPU:
+    only this device's state is set (indexing the others crashed), and a save keeps only its own."""
+    cfg = config.config_from_argv([*TINY, f"--out_dir={tmp_path}"])
+    policy = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(policy.parameters())
+    sampler = grpo.make_sampler(cfg, 10)
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(4)]
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": states}
+    torch.save(rng, tmp_path / "rng.pt")
+    torch.save(grpo.parallel.full_state(policy, optimizer)[1], tmp_path / "optimizer.pt")
+    trainer_state = {"step": 3, "beta": 0.0, "kl_history": [], "nonfinite_in_a_row": 0,
+                     "sampler": sampler.state_dict()}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(trainer_state))
+    restored = []
+
+    def set_rng_state(state, device="cuda"):  # one GPU: device 0 (the current one) only
+        index = device if isinstance(device, int) else torch.device(device).index or 0
+        if index >= 1:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
+        restored.append(state)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    # torch.cuda.set_rng_state_all calls this one
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_rng_state)
+    assert grpo.load_checkpoint(str(tmp_path), cfg, policy, None, optimizer, sampler).step == 3
+    assert len(restored) == 1 and torch.equal(restored[0], states[0])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[2])  # this GPU's
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    assert torch.equal(grpo.rng_states()["cuda"], states[2])
+
+
 def test_lora_reference_is_the_base_and_only_adapters_train(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -172,8 +284,6 @@ def test_lora_reference_is_the_base_and_only_adapters_train(tmp_path):
 def test_bad_input_fails_before_any_model_loads(tmp_path):
     with pytest.raises(ConfigError, match="model folder /nonexistent/model not found"):
         grpo.main([f"--out_dir={tmp_path}", "--model=/nonexistent/model"])
-    with pytest.raises(ConfigError, match="has no complete checkpoint"):
-        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--resume=true"])
     proc = subprocess.run([sys.executable, "grpo.py", "--batch_size=30"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1 and "config error: batch_size=30 is not divisible by group_size=8" in proc.stderr
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')  # an earlier run's log: a fresh run would append to it

@@ -104,8 +104,9 @@ def test_lora_under_fsdp_matches_one_process(tmp_path):
 
 def test_only_rank_zero_writes(runs):
     out = runs["fsdp"]
-    assert sorted(os.listdir(out)) == ["ckpt_000001", "ckpt_000002", "ckpt_000003", "config.json", "metrics.jsonl",
-                                       "samples.jsonl", "tiny_model"]
+    files = [".lock", "ckpt_000001", "ckpt_000002", "ckpt_000003", "config.json", "metrics.jsonl",
+             "samples.jsonl", "tiny_model"]
+    assert sorted(os.listdir(out)) == files
     assert len(read_jsonl(out / "metrics.jsonl")) == 3  # one line per step, not one per rank
     assert len(read_jsonl(out / "samples.jsonl")) == 3 * 2 * 4  # 3 steps x 2 groups x G=4, once
     assert sorted(os.listdir(out / "ckpt_000003")) == sorted(os.listdir(runs["single"] / "ckpt_000003"))

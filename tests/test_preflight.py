@@ -1,5 +1,6 @@
 """The pre-flight memory estimate against the device (SPEC O6).   pytest tests/test_preflight.py"""
 
+import json
 import os
 
 import pytest
@@ -162,3 +163,29 @@ def test_preflight_cli_prints_the_table():
                            cwd=ROOT, timeout=120)
     assert small.returncode == 1
     assert "config error: one update needs ~73.7 GiB of 40.0" in small.stdout
+
+
+def test_a_context_beyond_the_models_fails(tmp_path):
+    long = ["--max_prompt_len=8000", "--max_completion_len=1000", "--micro_batch_tokens=9000",
+            "--device=cpu"]
+    with pytest.raises(ConfigError, match="= 9000 tokens, beyond smollm2-135m.s context of 8192"):
+        preflight.preflight(load_config(overrides=long))
+    shape = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "max_position_embeddings": 300}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    with pytest.raises(ConfigError, match="256 \\+ 96 = 352 tokens, beyond .*'s context of 300"):
+        preflight.preflight(load_config(overrides=[f"--model={tmp_path}"]))
+    preflight.preflight(load_config(overrides=[f"--model={tmp_path}", "--max_completion_len=44"]))
+
+
+def test_a_kv_cache_the_machine_cannot_give_fails(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cpu_vllm = ["--engine=vllm", "--device=cpu"]
+    with pytest.raises(ConfigError, match="vllm_cpu_kv_cache_gb=100000: vLLM takes that many GiB"):
+        preflight.preflight(load_config(overrides=[*cpu_vllm, "--vllm_cpu_kv_cache_gb=100000"]))
+    monkeypatch.setattr(preflight, "available_memory_gib", lambda: 3.5)
+    with pytest.raises(ConfigError, match="kv_cache_gb=4: .* this machine has 3.5 GiB free"):
+        preflight.preflight(load_config(overrides=[*cpu_vllm, "--vllm_cpu_kv_cache_gb=4"]))
+    preflight.preflight(load_config(overrides=[*cpu_vllm, "--vllm_cpu_kv_cache_gb=3"]))
+    preflight.preflight(load_config(overrides=["--engine=hf", "--device=cpu",
+                                               "--vllm_cpu_kv_cache_gb=4"]))

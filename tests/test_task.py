@@ -220,6 +220,47 @@ def test_missing_or_unreachable_datasets_fail_clearly(tmp_path, monkeypatch):
         setup("--task=gsm8k")  # no data_path, and the task has no generator
 
 
+DEEP = b"[" * 50_000 + b"]" * 50_000  # json.loads: RecursionError (and under csv's cell limit)
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bin.jsonl", b'{"prompt": "ok", "answer": "1"}\n\xf7\x00\x01\n',
+         r"line 2: not UTF-8 text \(byte 0xf7"),
+        ("latin1.csv", "prompt,answer\nok,1\ncaf\xe9,2\n".encode("latin-1"),
+         r"line 3: not UTF-8 .*column 4"),
+        ("extra.csv", b"prompt,answer\nok,1\nWhat is 1,2?,3\n",
+         "line 3: the header names 2 columns, this row has 3"),
+        ("big.csv", b'prompt,answer\nok,1\n"' + b"x" * 200_000 + b'",2\n',
+         "line 3: field larger than field limit"),
+        ("deep.jsonl", b'{"prompt": "ok", "answer": "1"}\n{"prompt": ' + DEEP + b"}\n",
+         "line 2: JSON nested too deeply"),
+        ("deep.csv", b"prompt,answer\nok," + DEEP + b"\n", "line 2: a cell's JSON is nested too"),
+    ],
+    ids=["binary", "latin-1", "extra field", "long cell", "deep jsonl", "deep csv"],
+)
+def test_unreadable_data_files_name_the_file_and_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    cfg, task = setup(f"--task={path}")
+    with pytest.raises(DataError, match=f"{name}, {message}"):
+        load_problems(cfg, task, "train")
+
+
+def test_an_empty_or_truncated_datasets_folder_fails_naming_it(tmp_path):
+    (tmp_path / "empty").mkdir()
+    cfg, task = setup(f"--task={tmp_path / 'empty'}")
+    with pytest.raises(DataError, match="empty': cannot read this folder as a dataset .*Empty"):
+        load_problems(cfg, task, "train")
+    path = write_dataset(tmp_path, "datasets_disk", MATH_ROWS)
+    arrow = next(f for f in os.listdir(os.path.join(path, "train")) if f.endswith(".arrow"))
+    os.truncate(os.path.join(path, "train", arrow), 100)  # a copy cut short
+    cfg, task = setup(f"--task={path}")
+    with pytest.raises(DataError, match="saved': cannot read this folder as a dataset"):
+        load_problems(cfg, task, "train")
+
+
 def test_gsm8k_task_and_run_file_on_a_local_parquet(tmp_path):
     rows = [{"question": f"Natalia sold {i} clips, then as many again. How many?",
              "answer": f"{i} + {i} = {2 * i}\n#### {2 * i:,}"} for i in range(500, 560)]
@@ -296,6 +337,73 @@ def test_a_faulty_task_file_fails_in_preflight_naming_the_file_and_the_function(
         with pytest.raises(ConfigError, match=message):  # grpo.main: before any model folder is built
             grpo.main(["--config", TINY, f"--out_dir={tmp_path}/run", f"--task={path}"])
         assert not os.path.exists(tmp_path / "run" / "tiny_model")
+
+
+REWARD = "def reward(completion, problem):\n    return 1.0\n"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        # once failed late: the sample dump crashed; the model crashed; the run trained on zeros
+        (PROBLEMS.replace('"i": i}', '"i": i, "seen": {i}}') + PROMPT + REWARD,
+         r"mytask.py: problem train0 holds what JSON cannot write \(Object of type set"),
+        (PROBLEMS + 'def prompt(problem):\n    return ""\n' + REWARD,
+         r"mytask.py: prompt\(\) returned '' for problem train0: the model needs some text"),
+        (PROBLEMS + PROMPT + "def reward(completion):\n    return 1.0\n",
+         r"mytask.py: reward\(completion\) cannot be called as reward\(completion, problem\)"),
+        ("def problems(split, n):\n    return []\n" + PROMPT + REWARD,
+         r"problems\(split, n\) cannot be called as problems\(split, n, seed\)"),
+    ],
+    ids=["a set in a problem", "an empty prompt", "a reward of one argument", "problems of two"],
+)
+def test_a_task_file_that_failed_late_fails_before_a_model_loads(tmp_path, monkeypatch, body,
+                                                                 message):
+    def no_model(*args):
+        raise AssertionError("a model would load")
+
+    monkeypatch.setattr(grpo, "build_models", no_model)
+    path = write_task(tmp_path, body)
+    with pytest.raises(ConfigError, match=message):
+        grpo.main(["--config", TINY, f"--out_dir={tmp_path}/run", f"--task={path}"])
+    assert not os.path.exists(tmp_path / "run" / "tiny_model")
+
+
+def test_an_int_reward_too_large_for_a_float_is_a_counted_wrong_type(monkeypatch):
+    monkeypatch.setattr(task_module, "_REPORTED", set())
+
+    def reward(text, problem):
+        huge = {"int": 10**400, "dict": {"big": 10**400, "score": 1.0}}
+        return huge.get(text, 0.5)
+
+    for timeout in (0, 5.0):  # in this process (OverflowError escaped), and in a child
+        got = run_rewards(reward, ["int", "ok", "dict"], [{}] * 3, timeout=timeout)
+        wrong = "wrong type: returned an integer too large for a float"
+        assert got == [wrong, {"score": 0.5}, wrong], timeout
+
+
+def test_a_huge_prompt_fails_before_it_is_tokenised(tokenizer, tmp_path):
+    """A 1 MB prompt: a token covers at most 13 of the tiny tokenizer's characters, so it cannot fit
+    in 64 tokens and is never tokenised (a 100 MB one took gigabytes to tokenise, then failed)."""
+    huge = 'def prompt(problem):\n    return "7 " * problem.get("repeat", 500_000)\n'
+    path = write_task(tmp_path, PROBLEMS + huge + REWARD)
+    cfg, task = setup(f"--task={path}")
+    seen = []
+
+    class Spy:  # the tokenizer, noting the length of each text it tokenises
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, text, **kwargs):
+            seen.append(len(text))
+            return tokenizer(text, **kwargs)
+
+    with pytest.raises(ConfigError, match="prompt train0 has 1000000 characters, more than max"):
+        tokenize_prompts(Spy(), task, load_problems(cfg, task, "train")[:1], 64)
+    assert seen == []
+    short = {"id": "s", "repeat": 3}  # one that may fit is tokenised as before
+    assert tokenize_prompts(Spy(), task, [short], 64) == [tokenizer("7 7 7 ").input_ids]
+    assert seen == [len(task.prompt(short))]
 
 
 def test_a_raising_hanging_dying_or_mistyped_reward_fails_only_its_completion(monkeypatch, capsys):
