@@ -1,4 +1,4 @@
-"""Group-relative advantages (SPEC A1-A4): the part of GRPO that replaces PPO's value network.
+"""Group-relative advantages (A1-A4): the part of GRPO that replaces PPO's value network.
 
 Rewards come as one flat tensor of N = num_prompts x G values, the G completions of each prompt
 contiguous: [p0c0, p0c1, ..., p0c(G-1), p1c0, ...]. Every completion's advantage is its reward

@@ -4,9 +4,10 @@ A run file in config/ is plain Python that assigns names, e.g. `group_size = 16`
 first, then `--key=value` overrides from the command line; both are checked against the fields
 below (unknown names fail and suggest the closest one; values are parsed to the default's type).
 
-    python config.py --config config/countdown_3b.py --lr=1e-6   # print the final config + pre-flight
+    python preflight.py --config config/countdown_3b.py --lr=1e-6   # the final config + pre-flight
 
-The memory estimate that pre-flight adds (O6) is in preflight.py.
+This file imports nothing from the project: every module reads its settings from here. The checks
+that need other modules (the task file, the model's shape, the memory estimate) run in pre-flight.
 """
 
 import ast
@@ -15,7 +16,6 @@ import difflib
 import json
 import math
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -94,6 +94,8 @@ class Config:
     tail_runs: bool = True  # O3: exact; False = every row padded to the micro-batch's longest completion
     # ~10% slower on a CPU (one more head matmul in backward); on a GPU with a 152k vocabulary the memory is decisive
     fused_logprobs: bool = False  # L6: token logprobs from hidden states x head in chunks, no (B, T, V) logits
+    # exact, and no (B, T, V) fp32 copy kept for backward (perf/logprobs.py)
+    chunked_logprobs: bool = True  # L6: logprobs chunk by chunk in fp32; False = log_softmax + gather
 
     # ---- sampling (R1, R4, R5) ----
     # 1.0 is usual for larger models; a 135M model is far less accurate at 1.0
@@ -197,7 +199,7 @@ class Config:
 
     # ---- derived: computed by derive(), never set by hand ----
     prompts_per_step: int = field(default=0, init=False)  # batch_size // group_size
-    clip_eps_high_eff: float = field(default=0.0, init=False)  # clip_eps_high, or clip_eps when that is 0
+    loss: dict = field(default_factory=dict, init=False)  # LOSS_SETTINGS, as loss.grpo_loss kwargs
     parity_warn_eff: float = field(default=0.0, init=False)  # parity_warn, or PARITY_WARN[dtype] when that is 0
     shaping: dict = field(default_factory=dict, init=False)  # the W2-W3 settings, as rewards.shape_reward kwargs
     component_weights: dict = field(default_factory=dict, init=False)  # reward_weights as {name: weight}
@@ -210,6 +212,11 @@ class Config:
 # 0.7 (README), so the bf16 bound sits above that; a temperature mismatch or weights several steps stale exceed it.
 PARITY_WARN = {"float32": 1e-3, "bfloat16": 0.1}
 
+# the settings loss.grpo_loss takes, by the same names: a new loss variant is a setting above, its name
+# here and its branch in loss.py
+LOSS_SETTINGS = ("clip_eps", "clip_eps_high", "loss_agg", "max_completion_len", "policy_loss",
+                 "dual_clip", "sapo_tau_pos", "sapo_tau_neg", "ratio_level", "kl_estimator",
+                 "entropy_coef")
 REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "length_soft_limit",
                "length_penalty", "length_penalty_tokens", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
@@ -277,7 +284,7 @@ class ConfigError(ValueError):
 def derive(cfg):
     """Compute the derived values, once, right after loading."""
     cfg.prompts_per_step = cfg.batch_size // cfg.group_size
-    cfg.clip_eps_high_eff = cfg.clip_eps_high or cfg.clip_eps
+    cfg.loss = {k: getattr(cfg, k) for k in LOSS_SETTINGS}
     cfg.shaping = {k: getattr(cfg, k) for k in REWARD_KEYS}
     cfg.component_weights = {k: float(v) for k, v in pairs("reward_weights", cfg.reward_weights).items()}
     cfg.data_column_map = pairs("data_columns", cfg.data_columns)
@@ -487,9 +494,6 @@ def validate(cfg):
         raise ConfigError(f"vllm_tensor_parallel={tp}: use a multiple of it as the number of ranks (now {world})")
     if world > 1 and cfg.parallel == "fsdp" and cfg.ref_offload:
         raise ConfigError("ref_offload is for one process; under FSDP the reference is already sharded over ranks")
-    from task import task_file  # a task that names no file fails here; its functions are checked on import
-
-    task_file(cfg)
     if cfg.data_path and (cfg.task.endswith((".jsonl", ".parquet", ".csv")) or os.path.isdir(cfg.task)):
         raise ConfigError(f"task={cfg.task!r} is a dataset and data_path={cfg.data_path!r} another; set one of them")
     if cfg.ref_refresh_steps and cfg.beta == 0:
@@ -497,12 +501,6 @@ def validate(cfg):
                           "is none; set beta > 0 (e.g. 0.001) or ref_refresh_steps=0 (F1)")
     if cfg.lora_rank and cfg.ref_refresh_steps:
         raise ConfigError("ref_refresh_steps needs full fine-tuning: with LoRA the reference is the base model (F1)")
-    from data.arith import KINDS
-
-    if not cfg.math_kinds or set(cfg.math_kinds) - set(KINDS):
-        raise ConfigError(f"math_kinds={cfg.math_kinds}: choose from {tuple(KINDS)}")
-    if not cfg.countdown_numbers or not set(cfg.countdown_numbers) <= {2, 3, 4, 5, 6}:
-        raise ConfigError(f"countdown_numbers={cfg.countdown_numbers}: use counts from 2 to 6, e.g. (3, 4)")
     if len(cfg.adam_betas) != 2:
         raise ConfigError(f"adam_betas={cfg.adam_betas} must be two numbers, e.g. 0.9,0.99")
     if not all(0 <= b < 1 for b in cfg.adam_betas):
@@ -634,17 +632,3 @@ def warn_misleading(cfg):
                       "tokens while the trainer's are over the whole vocabulary, so the two sides of the ratio (and "
                       "the parity metric) differ by construction; use top_p=1, top_k=-1 for GRPO (R5)")
 
-
-if __name__ == "__main__":
-    try:
-        cfg = config_from_argv(sys.argv[1:])
-        for f in dataclasses.fields(cfg):
-            print(f"{f.name:24s} = {getattr(cfg, f.name)!r}")
-        from preflight import preflight  # the memory estimate lives beside the model shapes it reads
-        from task import load_task
-
-        preflight(cfg)
-        load_task(cfg)  # the task file defines what a run needs
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
-    print("pre-flight ok")

@@ -1,4 +1,4 @@
-"""The GRPO objective (SPEC L1-L8, F2, O1): token logprobs, the clipped surrogate, KL, schedules.
+"""The GRPO objective (L1-L8, F2, O1): the clipped surrogate, KL, token logprobs, schedules.
 
 Per response token t of completion i, with r = pi_new(t) / pi_old(t) and A_i the group advantage:
 
@@ -9,220 +9,13 @@ Per response token t of completion i, with r = pi_new(t) / pi_old(t) and A_i the
 (policy_loss swaps the first line for CISPO's, SAPO's or GPG's; kl_estimator the second for k1 or k2)
 
 then averaged over the response tokens of the whole batch (L2). Everything here is pure:
-tensors in, a loss and a dict of floats out.
+tensors in, a loss and a dict of floats out. The settings reach grpo_loss by their config.py names,
+as one mapping (config.LOSS_SETTINGS -> cfg.loss): a new variant is a setting there and a branch here.
 """
 
 import math
 
 import torch
-
-# ---------------------------------------------------------------- token logprobs (L6, R5)
-
-
-class _LogprobsEntropy(torch.autograd.Function):
-    """log p(token) and entropy per position from logits, chunk by chunk in fp32.
-
-    A plain `log_softmax(logits.float())` keeps a full (B, T, V) fp32 copy alive for backward:
-    at V = 152k, 8k tokens that is 5 GB. Here forward keeps only the logits (which the model holds
-    anyway) and two (B, T) fp32 tensors; backward recomputes softmax one chunk at a time.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, tokens, temperature, chunk):
-        ctx.set_materialize_grads(False)
-        B, T, _ = logits.shape
-        dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 under gradcheck
-        logp = logits.new_empty(B, T, dtype=dtype)
-        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
-        for b, s in _chunks(B, T, chunk):
-            z = logits[b, s].to(dtype) / temperature  # (c, V): the only fp32 copy, one chunk at a time
-            lse[b, s], logp[b, s], entropy[b, s] = _softmax_stats(z, tokens[b, s])
-        ctx.save_for_backward(logits, tokens, lse, entropy)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        logits, tokens, lse, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)  # the chunks cover every position: nothing to zero first
-        for b, s in _chunks(logits.shape[0], logits.shape[1], ctx.chunk):
-            log_p = logits[b, s].to(lse.dtype) / ctx.temperature - lse[b, s, None]  # (c, V), a fresh chunk
-            grad[b, s] = _softmax_grad(log_p, tokens[b, s], entropy[b, s],
-                                       grad_logp[b, s] if grad_logp is not None else None,
-                                       grad_entropy[b, s] if grad_entropy is not None else None, ctx.temperature)
-        return grad, None, None, None
-
-
-def _chunks(B, T, chunk):
-    """(row, time-slice) pairs covering a (B, T) grid, at most `chunk` positions each."""
-    return [(b, slice(t, t + chunk)) for b in range(B) for t in range(0, T, chunk)]
-
-
-def logprobs_and_entropy(logits, tokens, temperature=1.0, chunk=1024):
-    """Log-probability of each token and the entropy of each position, in fp32 (L6).
-
-    logits: (B, T, V) any float dtype; logits[:, t] is the distribution that produced tokens[:, t]
-            (so a caller passes model logits[:, :-1] with input_ids[:, 1:]). Non-contiguous is fine.
-    tokens: (B, T) long.
-    temperature: the sampler's temperature; both sides of the ratio use logits / temperature (R5).
-    Returns (logprobs, entropy), each (B, T) fp32 (fp64 for fp64 logits), both differentiable.
-
-    Example: logits [[[0, ln 3]]] (one position, two tokens), tokens [[1]] -> logprob ln(3/4).
-    """
-    return _LogprobsEntropy.apply(logits, tokens, float(temperature), chunk)
-
-
-class _LinearLogprobsEntropy(torch.autograd.Function):
-    """log p(token) and entropy per position from the final hidden states and the output matrix.
-
-    The fused linear + cross-entropy idea (Liger Kernel, Unsloth): the logits h W^T are computed one
-    chunk of positions at a time, inside forward and again inside backward, so neither the (N, V)
-    logits nor their gradient ever exist whole. Forward keeps the hidden states and two (N,) fp32
-    tensors; the price is one more head matmul in backward. The matmul runs in `compute_dtype` (bf16
-    under autocast, as the model's own head would), the softmax in fp32 (L6). Positions are flat (N, H).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk, compute_dtype):
-        ctx.set_materialize_grads(False)
-        dtype = torch.promote_types(compute_dtype, torch.float32)  # fp32, or fp64 under gradcheck
-        logp = hidden.new_empty(len(hidden), dtype=dtype)
-        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
-        w = weight.to(compute_dtype)
-        for s in range(0, len(hidden), chunk):
-            s = slice(s, s + chunk)
-            z = _head(hidden[s], w, bias, compute_dtype).to(dtype) / temperature  # (c, V), one chunk
-            lse[s], logp[s], entropy[s] = _softmax_stats(z, tokens[s])
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
-        ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
-        cd = ctx.compute_dtype
-        w = weight.to(cd)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
-        grad_bias = torch.zeros_like(grad_weight[:, 0]) if bias is not None else None
-        for s in range(0, len(hidden), ctx.chunk):
-            s = slice(s, s + ctx.chunk)
-            h = hidden[s].to(cd)  # (c, H)
-            log_p = _head(h, w, bias, cd).to(lse.dtype) / ctx.temperature - lse[s, None]  # (c, V)
-            g = _softmax_grad(log_p, tokens[s], entropy[s], grad_logp[s] if grad_logp is not None else None,
-                              grad_entropy[s] if grad_entropy is not None else None, ctx.temperature)
-            if bias is not None:
-                grad_bias += g.sum(0).to(grad_bias.dtype)
-            g = g.to(cd)  # both products take it in the compute dtype
-            grad_hidden[s] = (g @ w).to(grad_hidden.dtype)  # dL/dh = g W
-            _add_weight_grad(grad_weight, g, h)  # dL/dW += g^T h
-        grad_bias = grad_bias.to(bias.dtype) if bias is not None else None
-        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None
-
-
-def _add_weight_grad(grad_weight, g, h):
-    """grad_weight (V, H) += g^T h for one chunk, g (c, V) and h (c, H) in the compute dtype, in
-    place: no (V, H) temporary per chunk (at V = 152k, H = 2048 a bf16 product and its fp32 copy
-    would take 1.7 GiB a chunk).
-
-    fp32 (or fp64) compute: addmm_ in place. bf16 compute into an fp32 gradient: on CUDA, cuBLAS
-    multiplies the bf16 operands and adds into the fp32 gradient itself (addmm with out_dtype);
-    CPU kernels lack that mixed-dtype call, so there the bf16 operands are widened to fp32 first
-    (one (c, V) chunk) and multiplied exactly.
-    """
-    if grad_weight.dtype == g.dtype:
-        grad_weight.addmm_(g.T, h)
-    elif g.is_cuda:
-        torch.addmm(grad_weight, g.T, h, out_dtype=grad_weight.dtype, out=grad_weight)
-    else:
-        grad_weight.addmm_(g.T.to(grad_weight.dtype), h.to(grad_weight.dtype))
-
-
-def _head(h, w, bias, compute_dtype):
-    """h W^T (+ b) in compute_dtype: the logits of one chunk of positions."""
-    z = h.to(compute_dtype) @ w.T
-    return z + bias.to(compute_dtype) if bias is not None else z
-
-
-def _softmax_stats(z, tokens):
-    """(logsumexp, log p(token), entropy), each (c,), of one chunk of (c, V) scaled logits and its (c,) tokens.
-
-    z is the caller's scratch copy and is overwritten: log p is computed in its memory, so a chunk costs one
-    (c, V) buffer besides z (at V = 152k every pass over a chunk is memory traffic, not arithmetic).
-    """
-    lse = torch.logsumexp(z, dim=-1)
-    log_p = z.sub_(lse[:, None])  # (c, V), in z's memory
-    token_logp = log_p.gather(-1, tokens[:, None]).squeeze(-1)
-    # H = -sum p log p; the equal form lse - sum p z loses ~1e-5 to cancellation in fp32
-    entropy = torch.exp(log_p).mul_(log_p).sum(-1).neg_()
-    return lse, token_logp, entropy
-
-
-def _softmax_grad(log_p, tokens, entropy, grad_logp, grad_entropy, temperature):
-    """d(loss)/d(logits) for logits -> z = logits / T -> (log p(token), entropy): (c, V) fp32, from the upstream
-    (c,) gradients g_k, g_H (None = zero). With d log p_k / dz = onehot(k) - p and dH / dz = -p (log p + H):
-
-        d(loss)/dz = onehot(k) g_k - p (g_k + g_H (log p + H)),   and d(loss)/d(logits) = that / T.
-
-    The 1/T goes on the (c,) gradients first. log_p is a scratch chunk and is overwritten, as is p: two
-    (c, V) buffers, five passes over them.
-    """
-    g_k = grad_logp / temperature if grad_logp is not None else None
-    p = torch.exp(log_p)  # (c, V)
-    if grad_entropy is not None:
-        inner = log_p.add_(entropy[:, None]).mul_((grad_entropy / temperature)[:, None])  # g_H (log p + H)
-    else:
-        inner = log_p.zero_()
-    if g_k is not None:
-        inner.add_(g_k[:, None])
-    grad = p.mul_(inner).neg_()  # -p (g_k + g_H (log p + H))
-    if g_k is not None:
-        grad.scatter_add_(-1, tokens[:, None], g_k[:, None])  # + onehot(k) g_k
-    return grad
-
-
-def linear_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, bias=None, chunk=None):
-    """logprobs_and_entropy(hidden @ weight.T + bias, tokens, temperature) without the logits tensor.
-
-    hidden: (B, T, H) the model's final hidden states (after its last norm); hidden[:, t] produced tokens[:, t].
-    weight: (V, H) the output matrix (lm_head.weight; the embedding when tied), bias (V,) or None.
-    tokens: (B, T) long. chunk: positions per chunk; default: head_chunk for the device.
-    The head's matmul runs in the autocast dtype when autocast is on (bf16 logits, as the model's own head
-    would give), else in the weight's dtype; logprobs and entropy in fp32. Both differentiable in hidden,
-    weight and bias.
-
-    Example: hidden [[[1, 0]]], weight [[0, 0], [ln 3, 0]], tokens [[1]] -> logprob ln(3/4), as for
-    logits [[[0, ln 3]]].
-    """
-    device = hidden.device.type
-    autocast = torch.is_autocast_enabled(device)
-    compute_dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(hidden.dtype, weight.dtype)
-    chunk = chunk or head_chunk(device, weight.shape[0])
-    B, T, H = hidden.shape
-    with torch.autocast(device, enabled=False):  # the casts are explicit, in forward and backward alike
-        logp, entropy = _LinearLogprobsEntropy.apply(hidden.reshape(B * T, H), weight, bias, tokens.reshape(B * T),
-                                                     float(temperature), chunk, compute_dtype)
-    return logp.view(B, T), entropy.view(B, T)
-
-
-# Logits per chunk of the fused head, by device type. Each chunk's backward reads and writes the
-# whole (V, H) fp32 weight gradient: on an H200 at 2^24 logits (110 positions at V = 152k) that
-# traffic takes ~5x as long as the chunk's weight-gradient matmul, at 2^27 (880 positions) about
-# as long, and the chunk's few (c, V) fp32 buffers (512 MiB each) are small beside GPU memory.
-# On a CPU, 2^24 (64 MiB of fp32) keeps them small beside the hidden states.
-HEAD_CHUNK_LOGITS = {"cuda": 2**27}
-HEAD_CHUNK_LOGITS_DEFAULT = 2**24
-
-
-def head_chunk(device_type, vocab_size):
-    """Positions per chunk of linear_logprobs_and_entropy on a device type ("cuda", "cpu", ...)."""
-    return max(1, HEAD_CHUNK_LOGITS.get(device_type, HEAD_CHUNK_LOGITS_DEFAULT) // vocab_size)
-
-
-def token_logprobs(logits, tokens, temperature=1.0):
-    """(B, T, V) logits and (B, T) tokens -> (B, T) fp32 log p(token); see logprobs_and_entropy."""
-    return logprobs_and_entropy(logits, tokens, temperature)[0]
-
 
 # ---------------------------------------------------------------- the loss (L1-L5, L8)
 
@@ -235,22 +28,23 @@ def grpo_loss(
     *,
     ref_logprobs=None,
     beta=0.0,
-    clip_eps=0.2,
-    clip_eps_high=None,
-    agg="token-mean",
+    entropy=None,
     num_tokens=None,
     num_seqs=None,
-    max_len=None,
-    entropy=None,
-    entropy_coef=0.0,
-    ratio_level="token",
     is_weights=None,
+    pg_mask=None,
+    # the settings, by their config.py names (cfg.loss)
+    clip_eps=0.2,
+    clip_eps_high=0.0,
+    loss_agg="token-mean",
+    max_completion_len=None,
     policy_loss="clip",
     dual_clip=0.0,
     sapo_tau_pos=1.0,
     sapo_tau_neg=1.05,
+    ratio_level="token",
     kl_estimator="k3",
-    pg_mask=None,
+    entropy_coef=0.0,
 ):
     """Clipped-surrogate GRPO loss of one (micro-)batch and its metrics.
 
@@ -259,12 +53,12 @@ def grpo_loss(
     advantages:   (B,) one per completion (advantage.group_advantages).
     mask:         (B, T) 1 on response tokens, 0 on padding (L3); masked values may be anything, even -inf.
     ref_logprobs: (B, T) reference policy, or None. beta weighs the k3 KL to it (L4).
-    clip_eps, clip_eps_high: ratio clipped to [1 - clip_eps, 1 + clip_eps_high]; None/0 = symmetric (L1).
-    agg (L2): "token-mean": sum over tokens / num_tokens (all response tokens of the *whole* batch,
+    clip_eps, clip_eps_high: ratio clipped to [1 - clip_eps, 1 + clip_eps_high]; 0 = symmetric (L1).
+    loss_agg (L2): "token-mean": sum over tokens / num_tokens (all response tokens of the *whole* batch,
                   so micro-batch losses add up to the full-batch loss; defaults to this mask's count).
               "seq-mean": mean over each sequence's tokens, then sum / num_seqs (the GRPO paper).
-              "dr-grpo": sum over tokens / (num_seqs * max_len), a constant (Dr. GRPO).
-              num_seqs defaults to B and max_len to T, i.e. the micro-batch is the whole batch.
+              "dr-grpo": sum over tokens / (num_seqs * max_completion_len), a constant (Dr. GRPO).
+              num_seqs defaults to B and max_completion_len to T: the micro-batch is the whole batch.
     entropy:      (B, T) with grad, needed when entropy_coef > 0 (L5); also logged when given.
     ratio_level:  "token" (GRPO) or "sequence" (GSPO, L8: one ratio per completion, the geometric
                   mean of its token ratios, exp(mean_t log r_t)).
@@ -311,19 +105,19 @@ def grpo_loss(
         per_token = per_token + beta * kl
     if entropy_coef > 0:
         if entropy is None:
-            raise ValueError("entropy_coef > 0 needs the entropy tensor (logprobs_and_entropy)")
+            raise ValueError("entropy_coef > 0 needs the entropy tensor (token_logprobs)")
         per_token = per_token - entropy_coef * entropy  # L5: a bonus, so it lowers the loss
     per_token = torch.where(mask, per_token, 0.0)
 
     B, T = mask.shape
-    if agg == "token-mean":
+    if loss_agg == "token-mean":
         loss = per_token.sum() / max(num_tokens if num_tokens is not None else mask.sum().item(), 1)
-    elif agg == "seq-mean":
+    elif loss_agg == "seq-mean":
         loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / (num_seqs or B)
-    elif agg == "dr-grpo":
-        loss = per_token.sum() / ((num_seqs or B) * (max_len or T))
+    elif loss_agg == "dr-grpo":
+        loss = per_token.sum() / ((num_seqs or B) * (max_completion_len or T))
     else:
-        raise ValueError(f"agg must be 'token-mean', 'seq-mean' or 'dr-grpo', got {agg!r}")
+        raise ValueError(f"loss_agg must be 'token-mean', 'seq-mean' or 'dr-grpo', got {loss_agg!r}")
     metrics = _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy)
     if dual_clip:  # the tokens whose loss dual-clip bounded: A < 0 and r > dual_clip
         metrics["dual_clip_frac"] = _metrics_mean(mask, (ratio > dual_clip) & (adv < 0))
@@ -435,6 +229,23 @@ def high_entropy_mask(entropy, mask, top_quantile, gather=None):
         return mask
     threshold = torch.quantile(values, 1 - top_quantile)  # linear interpolation between order statistics
     return mask & (entropy >= threshold.to(entropy.device))
+
+
+# ---------------------------------------------------------------- token logprobs (L6, R5)
+
+
+def token_logprobs(logits, tokens, temperature=1.0):
+    """log p(token) and the entropy of each position, in fp32, from logits / temperature (R5: the
+    sampler's temperature on both sides of the ratio). The plain definition, and the tests' oracle:
+    perf/logprobs.py computes the same without keeping a (B, T, V) fp32 copy.
+
+    logits: (B, T, V), logits[:, t] the distribution of tokens[:, t]; tokens: (B, T) long.
+    Returns (logprobs, entropy), each (B, T). Example: logits [[[0, ln 3]]], tokens [[1]] ->
+    logprob ln(3/4), entropy -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, tokens[..., None]).squeeze(-1), entropy
 
 
 # ---------------------------------------------------------------- sampler/trainer mismatch (R2)

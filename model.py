@@ -4,14 +4,14 @@ The policy keeps fp32 master weights; compute runs in cfg.dtype under autocast (
 learning rate of 1e-6 is not rounded away as it would be in bf16 weights.
 """
 
-import contextlib
 import os
 import shutil
 
 import torch
-from transformers import DynamicCache
 
 from config import ConfigError
+from loss import token_logprobs
+from perf import cpu, logprobs
 from preflight import SHAPES
 
 TINY_CORPUS = [
@@ -104,63 +104,17 @@ def model_path(cfg):
     return cfg.model
 
 
-BUILT_HERE = ("tiny", "smollm2-135m")  # model names that model_path builds or converts locally
-
-
-def check_model_source(path):
-    """Fail before any expensive work if the weights cannot be had: a missing folder, or a hub name that is
-    neither in the local Hugging Face cache nor reachable (transformers would retry the hub, then raise)."""
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"model folder {path} has no config.json; point --model at a saved HF model")
-    elif path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not an org/name on the hub
-        raise ConfigError(f"model folder {path} not found; set --model to a folder or a hub name like "
-                          f"Qwen/Qwen2.5-3B-Instruct")
-    elif not hub_cached(path) and not hub_reachable():
-        raise ConfigError(
-            f"model {path} is not a local folder, is not in the Hugging Face cache, and the hub cannot be reached "
-            f"from here. Fetch it on a machine with internet (`hf download {path}`, then copy ~/.cache/huggingface "
-            f"here), or set --model to a folder with its config.json and weights")
-
-
-def hub_cached(name):
-    """True if the hub model's config.json is in the local Hugging Face cache."""
-    from huggingface_hub import try_to_load_from_cache
-
-    return isinstance(try_to_load_from_cache(name, "config.json"), str)
-
-
-def hub_reachable(timeout=3.0):
-    """True unless HF_HUB_OFFLINE is set or the hub's host does not answer a TCP connection within `timeout`."""
-    import socket
-    from urllib.parse import urlparse
-
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def load_policy(cfg, path, device, adapter=None):
     """(tokenizer, policy) in fp32 on `device`; LoRA-wrapped when cfg.lora_rank > 0 (O5)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    hook = hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
-    if cfg.gradient_checkpointing and cfg.shared_prompt and not hook:
-        raise ConfigError(f"gradient_checkpointing with shared_prompt {CHECKPOINT_CACHE_HINT}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     disable_dropout(policy)
     sdpa_off_cudnn(device)
-    if torch.device(device).type == "cpu":
-        grouped_heads_on_cpu(policy)
+    if torch.device(device).type == "cpu":  # exact; a decoding step ~7x faster there (perf/cpu.py)
+        cpu.grouped_heads(policy)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
@@ -175,6 +129,16 @@ def load_policy(cfg, path, device, adapter=None):
     return tokenizer, policy
 
 
+def load_reference(path, device, offload=False):
+    """The frozen reference policy (F1) in fp32, on `device`, or on the CPU between uses (offload)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        cpu.grouped_heads(ref)
+    return ref.to("cpu" if offload else device)
+
+
 def sdpa_off_cudnn(device):
     """On CUDA, keep PyTorch's SDPA off its cuDNN backend (the other backends stay).
 
@@ -185,36 +149,6 @@ def sdpa_off_cudnn(device):
     """
     if torch.device(device).type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' "sdpa" attention, with grouped-query key/value heads handed to the kernel as they are.
-
-    Given a mask (any padded batch), transformers first copies each key/value head once per query head that
-    shares it (repeat_kv), because CUDA's masked kernels lack grouped heads; PyTorch's CPU kernels have them
-    (enable_gqa). The same attention without the copies: for a decoding step of SmolLM2 (9 query heads on 3
-    key/value heads) 7x faster on a CPU. query (b, Hq, T, d), key and value (b, Hkv, S, d) -> (b, T, Hq, d).
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1:  # nothing is copied there
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    # with a mask transformers' version is exactly this call with repeated heads (is_causal False, the mask says it)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def grouped_heads_on_cpu(model):
-    """A model on a CPU with transformers' sdpa attention uses sdpa_gqa_attention instead (the same masks)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if model.config._attn_implementation != "sdpa":
-        return
-    AttentionInterface.register("sdpa_gqa", sdpa_gqa_attention)
-    AttentionMaskInterface.register("sdpa_gqa", sdpa_mask)
-    model.set_attn_implementation("sdpa_gqa")
 
 
 def disable_dropout(model):
@@ -262,131 +196,21 @@ def _gathered(bucket):
     return [(name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in bucket]
 
 
-# ---------------------------------------------------------------- the trainer's forward: logprobs of the sampled tokens
-
-# config fields of models whose logits are not just lm_head(h): softcapping (Gemma 2), a scale (Cohere, Granite)
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# ---------------------------------------------------------------- the trainer's forward
 
 
-def fused_head_unsupported(model):
-    """Why the fused head (linear_logprobs_and_entropy) cannot stand in for this model's logits, or None."""
-    model = getattr(model, "module", model)  # DDP's wrapper
-    head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
-        return f"its output layer is a {type(head).__name__}, not a plain Linear"
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    transforms = [name for name in LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)]
-    if transforms:
-        return f"its logits are transformed after the output layer ({', '.join(transforms)})"
-    return None
+def sequence_logprobs(model, ids, temperature, cfg, **inputs):
+    """(logprobs, entropy), each (b, T-1) fp32, of the tokens ids[:, 1:], from one forward over ids.
 
-
-@contextlib.contextmanager
-def head_returns_logprobs(model, tokens, temperature):
-    """While open, the model's output layer returns (b, T, 2) [log p(tokens), entropy] instead of (b, T, V) logits.
-
-    The head is swapped inside the model's own forward, so FSDP2's gathered weights, DDP's hooks and
-    gradient checkpointing all see an ordinary forward; only the logits are never built (loss.py).
+    The plain path is loss.token_logprobs on the logits; cfg.fused_logprobs and cfg.chunked_logprobs
+    give the same numbers without a (b, T, V) fp32 tensor (perf/logprobs.py).
     """
-    from loss import linear_logprobs_and_entropy
-
-    head = getattr(model, "module", model).get_output_embeddings()
-
-    def logprobs(hidden):  # (b, T, H) -> (b, T, 2)
-        return torch.stack(linear_logprobs_and_entropy(hidden, head.weight, tokens, temperature, head.bias), -1)
-
-    head.forward = logprobs
-    try:
-        yield
-    finally:
-        del head.forward  # the class's forward again
-
-
-def sequence_logprobs(model, ids, temperature, fused, **inputs):
-    """(logprobs, entropy), each (b, T-1) fp32, of the tokens ids[:, 1:], from one forward of `model` over ids."""
-    from loss import logprobs_and_entropy
-
-    # every position gets a token, the last a dummy one (it predicts nothing and is cut below): the logprob
-    # function then takes the logits whole, and its backward writes their gradient whole, where a slice
-    # logits[:, :-1] would cost a (b, T, V) zero fill and copy in backward
-    tokens = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # (b, T)
-    if fused:  # no (b, T, V) logits: the head computes the logprobs itself, chunk by chunk
-        with head_returns_logprobs(model, tokens, temperature):
-            out = model(input_ids=ids, **inputs).logits  # (b, T, 2)
-        return out[:, :-1, 0], out[:, :-1, 1]
+    if cfg.fused_logprobs:  # L6: no logits at all; the output layer returns log p and the entropy
+        return logprobs.fused_sequence_logprobs(model, ids, temperature, **inputs)
     logits = model(input_ids=ids, **inputs).logits  # (b, T, V)
-    logprobs, entropy = logprobs_and_entropy(logits, tokens, temperature)
-    return logprobs[:, :-1], entropy[:, :-1]
-
-
-class PromptCache(DynamicCache):
-    """The prompt pass's cache: each layer's keys and values, kept once (a gradient-checkpointing replay of the
-    pass runs the same layer again; what it computes is what was kept, so it keeps nothing)."""
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if layer_idx < len(self.layers) and self.layers[layer_idx].is_initialized:
-            return key_states, value_states
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-
-class SharedPromptCache(DynamicCache):
-    """The completions' cache: the keys and values of each row's prompt, read-only. A layer attends over its
-    prompt's and then its own, and nothing is stored, so a replay under gradient checkpointing sees the same."""
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        layer = self.layers[layer_idx]
-        return torch.cat([layer.keys, key_states], -2), torch.cat([layer.values, value_states], -2)
-
-
-# transformers drops a checkpointed layer's past_key_values unless the layer says it may keep
-# them; that switch (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in
-# 5.15.0 (5.14.1 lacks it)
-CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.15.0 (pip install -U 'transformers>=5.15.0'), "
-                         "or set --gradient_checkpointing=false or --shared_prompt=false")
-
-
-@contextlib.contextmanager
-def checkpoint_with_cache(model):
-    """Let checkpointed decoder layers keep a cache argument: ours are read-only or keep-once, so
-    the replay in backward reads the same keys and values (transformers drops past_key_values
-    under checkpointing otherwise). A checkpointed layer without the switch would silently attend
-    to its own tokens only: an error."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    switch = "_can_checkpoint_with_cache"
-    old = [m for m in layers if m.gradient_checkpointing and not hasattr(type(m), switch)]
-    if old:
-        raise RuntimeError(f"gradient checkpointing with each prompt once (shared_prompt) "
-                           f"{CHECKPOINT_CACHE_HINT}: {type(old[0]).__name__} cannot keep its "
-                           f"cache argument in this transformers")
-    for layer in layers:
-        layer._can_checkpoint_with_cache = True
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer._can_checkpoint_with_cache
-
-
-def split_shared_prompts(ids, attention, prompt_lens, groups):
-    """The two passes' inputs: (n, P) each group's prompt but its last token, left-padded, and its mask; (b, C)
-    each row's last prompt token + completion, right-padded, and its mask; (b,) each row's group slot in 0..n-1."""
-    lengths = attention.sum(1)
-    slots, slot_of = torch.unique(groups, return_inverse=True)  # the distinct groups here; (b,) each row's
-    first = [int((slot_of == s).nonzero()[0]) for s in range(len(slots))]  # a row of each group
-    prefix = prompt_lens[first] - 1  # (n,) tokens each group's prompt pass computes
-    P, C = int(prefix.max()), int((lengths - prompt_lens + 1).max())
-    prompt_ids, prompt_mask = ids.new_zeros(len(first), P), attention.new_zeros(len(first), P)
-    for s, r in enumerate(first):  # left padding: each prompt ends where its completions begin
-        prompt_ids[s, P - prefix[s] :] = ids[r, : prefix[s]]
-        prompt_mask[s, P - prefix[s] :] = 1
-    rows_ids, rows_mask = ids.new_zeros(len(ids), C), attention.new_zeros(len(ids), C)
-    for r in range(len(ids)):
-        n = int(lengths[r] - prompt_lens[r] + 1)
-        rows_ids[r, :n] = ids[r, prompt_lens[r] - 1 : lengths[r]]
-        rows_mask[r, :n] = 1
-    return prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of
+    if cfg.chunked_logprobs:  # L6: fp32 one chunk of positions at a time, in forward and backward
+        return logprobs.chunked_sequence_logprobs(logits, ids, temperature)
+    return token_logprobs(logits[:, :-1], ids[:, 1:], temperature)
 
 
 def self_attending_mask(model, mask):
@@ -419,73 +243,3 @@ def self_attending_mask(model, mask):
     return allowed
 
 
-def tail_runs(tails, split=True):
-    """The completion pass's rows (indices into tails) in runs of similar length, each run padded only to its own
-    longest: sorted longest first, a run ends before the first row at most half as long as the run's longest, so
-    no run is more than half padding. split=False: one run of every row, in order (the pass padded to the longest)."""
-    if not split:
-        return [list(range(len(tails)))]
-    runs = []
-    for r in sorted(range(len(tails)), key=lambda r: -tails[r]):
-        if not runs or 2 * tails[r] <= tails[runs[-1][0]]:
-            runs.append([])
-        runs[-1].append(r)
-    return runs
-
-
-def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, fused, runs=True):
-    """sequence_logprobs of right-padded rows whose groups share a prompt, computing each prompt once.
-
-    ids, attention: (b, L) prompt + completion, right-padded; prompt_lens: (b,); groups: (b,) group ids.
-    Rows with the same group id must have the same prompt. Two kinds of forward, gradients through all:
-      1. the prompt pass: each group's prompt but its last token, once: (n, P) left-padded, its keys
-         and values kept (PromptCache);
-      2. the completion pass: every row's last prompt token + completion, right-padded, on top of its
-         group's keys and values (SharedPromptCache), at positions P_r - 1, P_r, ...; with runs, rows of
-         similar length together (tail_runs), one forward per run padded to that run's longest.
-    The last prompt token goes with the completions because its output predicts the first completion token.
-    Returns (logprobs, entropy), each (b, L-1), in the padded coordinates of sequence_logprobs(ids).
-    Exact: the same attention, positions and tokens as the padded forward; only each prompt's repeats go.
-    Every call makes the same number of forwards only with runs=False (FSDP and DDP ranks must match).
-    """
-    L = ids.shape[1]
-    device = ids.device
-    prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of = split_shared_prompts(ids, attention, prompt_lens, groups)
-    P = prompt_ids.shape[1]
-    prompt_kv, tie = None, 0.0
-    with checkpoint_with_cache(model):
-        if P > 0:
-            cache = PromptCache()
-            positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-            attend = self_attending_mask(model, prompt_mask)  # left-padded: no fully masked row
-            # only the keys and values are wanted
-            out = model(input_ids=prompt_ids, attention_mask=attend, position_ids=positions,
-                        past_key_values=cache, use_cache=False, logits_to_keep=1)
-            # FSDP2 gathers a layer's weights for backward when the gradient of the layer's output arrives; the
-            # prompt's keys and values bypass the outputs, so the pass's output joins the result with weight 0
-            tie = 0.0 * out.logits.float().sum()
-            prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        tails = rows_mask.sum(1)  # (b,) each row's last prompt token + completion
-        order, parts = [], []
-        for run in tail_runs(tails.tolist(), runs):
-            C = int(tails[run].max())
-            slots = slot_of[run]
-            positions = (prompt_lens[run] - 1)[:, None] + torch.arange(C, device=device)  # (r, C)
-            mask = torch.cat([prompt_mask[slots], rows_mask[run, :C]], 1) if P > 0 else rows_mask[run, :C]
-            run_cache = SharedPromptCache([(k[slots], v[slots]) for k, v in prompt_kv]) if P > 0 else None
-            lp, entropy = sequence_logprobs(model, rows_ids[run, :C], temperature, fused, attention_mask=mask,
-                                            position_ids=positions, past_key_values=run_cache, use_cache=False)
-            # (r, C-1) -> (r, L-1): completion-pass position j predicts the token at padded position P_r + j
-            cols = (prompt_lens[run] - 1)[:, None] + torch.arange(C - 1, device=device)  # (r, C-1)
-            valid = rows_mask[run, 1:C].bool()
-            parts.append([padded_columns(v, cols, valid, L - 1) for v in (lp + tie, entropy)])
-            order += run
-    back = torch.argsort(torch.tensor(order, device=device))  # the runs' rows back in the input's order
-    return tuple(torch.cat([p[i] for p in parts])[back] for i in range(2))
-
-
-def padded_columns(values, cols, valid, width):
-    """(r, C) values placed at columns cols (r, C) of (r, width) zeros; invalid positions stay 0."""
-    full = values.new_zeros(len(values), width + values.shape[1])  # room for every row's columns, cut below
-    full.scatter_(1, cols, torch.where(valid, values, 0.0))
-    return full[:, :width]

@@ -169,16 +169,16 @@ def no_grad_sync(train_model, last):
 def even_micro_batches(tensors, batches):
     """Give this rank as many micro-batches as the rank with the most, for FSDP and DDP's collectives.
 
-    The extra micro-batches hold one added row: token 0 everywhere, attended (no fully masked softmax),
-    with a zero loss mask, so its loss and gradient are exactly 0. tensors: (ids, attention, mask, ...),
-    rows first, attention second.
+    The extra micro-batches hold one added row: token 0 everywhere, attended (no fully masked
+    softmax), with a zero loss mask, so its loss and gradient are exactly 0. tensors: name -> tensor
+    with rows first, among them "attention".
     """
     missing = int(all_max(len(batches))) - len(batches)
     if missing == 0:
         return tensors, batches
-    row = len(tensors[0])
-    tensors = [torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in tensors]
-    tensors[1][row] = 1  # attention
+    row = len(tensors["attention"])
+    tensors = {k: torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for k, t in tensors.items()}
+    tensors["attention"][row] = 1
     return tensors, batches + [[row]] * missing
 
 

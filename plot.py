@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no screen needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench import PHASES  # noqa: E402  (the phases every step times: one list for the bench and the plot)
+from log import PHASES  # noqa: E402  (the phases every step times)
 
 PANELS = [  # (title, [(metric, label)])
     ("reward (train batch)", [("reward", "reward")]),

@@ -1,4 +1,4 @@
-"""Pre-flight (SPEC O6): the memory an update needs, estimated before any model loads, against the device.
+"""Pre-flight (O6): the memory an update needs, estimated before any model loads, against the device.
 
     python preflight.py --config config/countdown_3b.py  # the estimate, term by term
     python preflight.py --config config/countdown_3b.py --device_memory_gb=80  # and the fit
@@ -8,13 +8,14 @@ SHAPES holds the few config.json fields of the models the shipped run files use,
 needs no download; any other model is read from its local config.json.
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
 import sys
 
 from config import ConfigError, on_gpu
-from loss import head_chunk
+from perf.logprobs import head_chunk
 
 # Shapes of the models the shipped run files use, so pre-flight needs no download.
 # Any other model is read from its local config.json (or, if transformers can reach it, the hub).
@@ -265,6 +266,7 @@ def check_context(cfg, shape):
 def preflight(cfg):
     """O6: fail if the KV cache, a prompt and its completion, one update or the vLLM share cannot
     fit; print the memory estimate."""
+    check_cache_switch(cfg)
     check_kv_cache(cfg)
     shape = model_shape(cfg.model)
     if shape is None:
@@ -298,10 +300,72 @@ def preflight(cfg):
     return est
 
 
+# ---------------------------------------------------------------- the model's source and the library
+
+
+BUILT_HERE = ("tiny", "smollm2-135m")  # model names that model.model_path builds or converts here
+
+
+def check_model_source(path):
+    """Fail before any expensive work if the weights cannot be had: a missing folder, or a hub name that is
+    neither in the local Hugging Face cache nor reachable (transformers would retry the hub, then raise)."""
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"model folder {path} has no config.json; point --model at a saved HF model")
+    elif path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not an org/name on the hub
+        raise ConfigError(f"model folder {path} not found; set --model to a folder or a hub name like "
+                          f"Qwen/Qwen2.5-3B-Instruct")
+    elif not hub_cached(path) and not hub_reachable():
+        raise ConfigError(
+            f"model {path} is not a local folder, is not in the Hugging Face cache, and the hub cannot be reached "
+            f"from here. Fetch it on a machine with internet (`hf download {path}`, then copy ~/.cache/huggingface "
+            f"here), or set --model to a folder with its config.json and weights")
+
+
+def hub_cached(name):
+    """True if the hub model's config.json is in the local Hugging Face cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+
+
+def hub_reachable(timeout=3.0):
+    """True unless HF_HUB_OFFLINE is set or the hub's host does not answer a TCP connection within `timeout`."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+# transformers drops a checkpointed layer's past_key_values unless the layer says it may keep
+# them; that switch (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in
+# 5.15.0 (5.14.1 lacks it)
+CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.15.0 (pip install -U 'transformers>=5.15.0'), "
+                         "or set --gradient_checkpointing=false or --shared_prompt=false")
+
+
+def check_cache_switch(cfg):
+    """Gradient checkpointing with each prompt once needs transformers' cache switch: fail now if absent."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    hook = hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
+    if cfg.gradient_checkpointing and cfg.shared_prompt and not hook:
+        raise ConfigError(f"gradient_checkpointing with shared_prompt {CHECKPOINT_CACHE_HINT}")
+
+
 if __name__ == "__main__":  # python preflight.py --config RUN_FILE [--device_memory_gb=80]
     from config import config_from_argv
 
     cfg = config_from_argv(sys.argv[1:])
+    for f in dataclasses.fields(cfg):
+        print(f"{f.name:24s} = {getattr(cfg, f.name)!r}")
     shape = model_shape(cfg.model)
     if shape is None:
         print(f"cannot read {cfg.model}'s config.json")

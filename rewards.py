@@ -1,4 +1,4 @@
-"""Rule-based verifiers (SPEC W1-W6): Countdown, math and code, and the shaping every task's reward gets.
+"""Rule-based verifiers (W1-W6): Countdown, math and code, and the shaping every task's reward gets.
 
 A policy finds every hole in a reward, so every verifier here assumes adversarial input: answers
 are found with str.rfind (no regex that can backtrack for minutes on 100 KB of tags), Countdown
@@ -13,7 +13,7 @@ Per completion, each verifier returns a dict of components, all floats:
 The task files in tasks/ call these verifiers (task.py loads them); `score_batch` turns a batch's
 components into one shaped reward per completion (W2-W3), whatever the task.
 
-    python rewards.py --replay out/run/samples.jsonl   # re-score saved rollouts, print disagreements (W5)
+    python task.py --replay out/run/samples.jsonl   # re-score saved rollouts, print disagreements (W5)
 """
 
 import ast
@@ -22,7 +22,6 @@ import json
 import math
 import multiprocessing
 import re
-import sys
 from fractions import Fraction
 
 import torch
@@ -474,10 +473,3 @@ def score_batch(results, lengths, weights=None, **shaping):
     per_component["timeouts"] = torch.tensor([float(c == "timeout") for c in results])
     return torch.tensor(rewards, dtype=torch.float32), per_component
 
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "--replay":
-        sys.exit("usage: python rewards.py --replay out/run/samples.jsonl")
-    from task import replay  # re-scoring needs the run's task file, named in its config.json
-
-    sys.exit(1 if replay(sys.argv[2]) else 0)

@@ -1,16 +1,13 @@
-"""Sampling: G completions per prompt from a vLLM engine (default) or a plain decoding loop on the policy (HF).
+"""Sampling: G completions per prompt from a colocated vLLM engine or a plain decoding loop (HF).
 
 Both engines take prompts as token ids and return, per prompt, a list of G `Completion`s with the
-sampler's own logprob of every sampled token, taken from logits / temperature (R5) so they are
-directly comparable with the trainer's recomputed logprobs. Each row (one completion) comes with
-its own seed, a hash of (seed, step, the prompt's place in the step's global batch, the row's index
-in its group) only (derive_seed), so a resumed run samples exactly what it would have. The HF engine
-gives each row its own generator, so a row's sample does not depend on the batch it is in and N ranks
-sample what one process does. vLLM on a GPU does the same through a per-request seed, one request per
-row (its V2 model runner otherwise draws each request's seed from numpy's global RNG, seeded once at
-engine start); on a CPU, where a per-request seed crashes vLLM's sampler, the whole call is seeded
-from its first row's seed (torch's and numpy's global generators, which the in-process CPU engine
-samples from).
+sampler's own logprob of every sampled token, taken from logits / temperature (R5), so they compare
+directly with the trainer's recomputed logprobs. Each row (one completion) comes with its own seed,
+a hash of (seed, step, the prompt's place in the step's global batch, the row's index in its group)
+(derive_seed): a resumed run samples what it would have. The HF engine gives each row its own
+generator, so N ranks sample what one process does; vLLM on a GPU takes one request per row with its
+seed; on a CPU, where a per-request seed crashes vLLM's sampler, the call is seeded from its first
+row's seed (docs/engine.md).
 
 Both engines sample with exactly the settings the trainer assumes, nothing from the model's
 generation_config (a repetition penalty there would make the samples off-policy), and both stop on
@@ -20,7 +17,6 @@ the same tokens (stop_tokens).
 import hashlib
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +26,7 @@ from transformers import DynamicCache
 
 import parallel
 from model import self_attending_mask
+from perf import cpu
 
 
 @dataclass
@@ -54,11 +51,6 @@ def derive_seed(*key):
     seeds. (A sum like seed + step + slot * K + j repeats: row j of step t + 1 is row j + 1 of step t.)"""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def turn_seed(seed, turn):
-    """The seed of a tool rollout's turn: the row's own seed on the first turn, then one per turn from it."""
-    return seed if turn == 0 else derive_seed(seed, "turn", turn)
 
 
 def stop_tokens(tokenizer, generation_config):
@@ -127,11 +119,8 @@ class VLLMEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_sleep_mode=self.sleep_level > 0,
             enforce_eager=not on_gpu,
-            # vLLM's prefix cache shares a prompt's KV between the G completions of its group only in whole
-            # blocks; its CPU backend picks 128-token blocks, longer than many prompts (the default run's are ~92
-            # tokens), so every completion would prefill its prompt again. 32 is the CPU kernels' smallest
-            # fast size; on a GPU vLLM's own choice stays.
-            block_size=None if on_gpu else 32,
+            # on a CPU, KV blocks short enough that a group's G completions share their prompt's
+            block_size=None if on_gpu else cpu.VLLM_CPU_BLOCK_SIZE,
             logprobs_mode="processed_logprobs",  # after temperature (R5); the default "raw" would ignore it
             # under torchrun: one engine per rank (or per group of vllm_tensor_parallel consecutive ranks),
             # joined to torchrun's process group
@@ -363,95 +352,4 @@ def sample_next(logits, temperature, top_p, top_k, generators):
 
 # ---------------------------------------------------------------- tool calls: multi-turn rollouts
 
-TOOL_OUTPUT = "\n<output>\n{}\n</output>\n"  # what goes back into the model's context after a call
 
-
-class ToolEngine:
-    """Multi-turn rollouts on any engine: a completion may call a tool, and only the model's tokens are its own.
-
-    Each turn generates every unfinished completion in one batched call, stopping at the close tag
-    ("</python>"); for each one that closed a call, the code between the open tag ("<python>") and the close
-    runs (`run`: the sandbox), its output (TOOL_OUTPUT) is appended as tokens with mask 0, and the next turn
-    goes on from there, up to max_calls calls and max_tokens tokens in all (the tool's included). An output
-    that does not fit is cut inside its tags, which always close (or left out), and the completion ends there
-    as truncated. Token ids are never re-tokenised from text: the trainer gets exactly the sampled ids and the
-    output's ids, concatenated.
-    """
-
-    def __init__(self, engine, tokenizer, max_calls, run, tags=("<python>", "</python>")):
-        self.engine, self.tokenizer, self.max_calls = engine, tokenizer, max_calls
-        self.run = run  # code -> (output text, ok): rewards.run_python, or a test's scripted tool
-        self.open, self.close = tags
-
-    def wake(self, named_tensors):
-        self.engine.wake(named_tensors)
-
-    def sleep(self):
-        self.engine.sleep()
-
-    def generate(self, prompts, n, *, seeds, max_tokens, progress=False, **sampling):
-        """The engines' generate, in turns: n completions per prompt, each a row of its own from the first turn
-        (seeds: one per row, as the engines take them)."""
-        rows = [Completion(list(p), [], "", [], False, mask=[]) for p in prompts for _ in range(n)]
-        live = list(range(len(rows)))
-        for turn in range(self.max_calls + 1):
-            if parallel.all_max(len(live)) == 0:  # every rank decides alike: FSDP's HF engine generates in lockstep
-                break
-            # the context so far is the next turn's prompt; vLLM's prefix cache still holds its keys and values
-            # from the turn before, so only the tool's output is prefilled anew
-            outs = self.engine.generate(
-                [rows[r].prompt_ids + rows[r].completion_ids for r in live], 1,
-                seeds=[turn_seed(seeds[r], turn) for r in live],  # each turn its own draw, the same on a resume
-                max_tokens=[max_tokens - len(rows[r].completion_ids) for r in live],
-                stop=[self.close] if turn < self.max_calls else None,  # the last turn may not call
-                progress=progress, **sampling)
-            calls = []
-            for r, [out] in zip(live, outs):
-                self._append(rows[r], out.completion_ids, out.logprobs, model=True)
-                rows[r].truncated = out.truncated
-                if out.stop_string == self.close:
-                    calls.append((r, self.tokenizer.decode(out.completion_ids, skip_special_tokens=True)))
-            for r, text in calls:
-                self._call(rows[r], text, max_tokens, sampled=sampling["temperature"] > 0)
-            live = [r for r, _ in calls if not rows[r].truncated]
-        for row in rows:
-            row.text = self.tokenizer.decode(row.completion_ids, skip_special_tokens=True)
-        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-    def _call(self, row, text, max_tokens, sampled):
-        """Run the call that ends `text` (the model's last turn) and append its output in the token budget."""
-        start = time.perf_counter()
-        opened = text.rfind(self.open)
-        if opened < 0:  # a close without an open: nothing to run, and the model is told so
-            output, ok = f"error: no {self.open} before {self.close}", False
-        else:
-            output, ok = self.run(text[opened + len(self.open) : text.rfind(self.close)])
-        room = max_tokens - len(row.completion_ids)
-        ids, cut = self._output_ids(output.strip(), room)
-        self._append(row, ids, [0.0] * len(ids) if sampled else [], model=False)
-        row.truncated = cut or len(ids) >= room  # no room left for the model to go on
-        row.tool_calls += 1
-        row.tool_errors += not ok
-        row.tool_seconds += time.perf_counter() - start
-
-    def _output_ids(self, output, room):
-        """(ids, cut): TOOL_OUTPUT around `output` if it fits in `room` tokens; else around as much of the output
-        as fits, or nothing when not even the empty frame does. Never an output without its closing tag: a
-        reward reading the model's last number would read the tool's."""
-        ids = self.tokenizer.encode(TOOL_OUTPUT.format(output), add_special_tokens=False)
-        if len(ids) <= room:
-            return ids, False
-        content = self.tokenizer.encode(output, add_special_tokens=False)
-        frame = len(self.tokenizer.encode(TOOL_OUTPUT.format(""), add_special_tokens=False))
-        for k in range(min(len(content), room - frame), -1, -1):  # tokens may merge across the cut: check
-            text = self.tokenizer.decode(content[:k])
-            ids = self.tokenizer.encode(TOOL_OUTPUT.format(text), add_special_tokens=False)
-            if len(ids) <= room:
-                return ids, True
-        return [], True
-
-    @staticmethod
-    def _append(row, ids, logprobs, model):
-        row.completion_ids += ids
-        row.logprobs += logprobs
-        row.mask += [int(model)] * len(ids)

@@ -460,3 +460,9 @@ def replay(path, config_path=None):
                 print(f"    completion: {rec['completion'][-200:]!r}")
     print(f"replayed {rows} rollouts from {path}: {disagreements} disagreements")
     return disagreements
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--replay":
+        sys.exit("usage: python task.py --replay out/run/samples.jsonl")
+    sys.exit(1 if replay(sys.argv[2]) else 0)

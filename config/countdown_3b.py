@@ -1,4 +1,4 @@
-# Qwen2.5-3B-Instruct on the Countdown game (SPEC D1) with GRPO, on one 80 GB GPU.
+# Qwen2.5-3B-Instruct on the Countdown game (D1) with GRPO, on one 80 GB GPU.
 #   python grpo.py --config config/countdown_3b.py
 #   torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py   # 8 GPUs, FSDP2, 4 prompts each
 # Settings follow ms-swift's GRPO Countdown recipe (G=8, beta=0.001, 1024-token completions, grad clip 1.0)

@@ -1,4 +1,4 @@
-"""Countdown problems (SPEC D1): 3-4 numbers and a target, every one solvable by construction.
+"""Countdown problems (D1): 3-4 numbers and a target, every one solvable by construction.
 
 A problem is made by drawing the numbers, then combining them at random, each exactly once, with
 + - * / until one value is left; if that value is a whole number in range it becomes the target and

@@ -1,4 +1,4 @@
-"""Write a Python function that passes hidden tests (SPEC D1, W1): a small set made locally.   --task=code
+"""Write a Python function that passes hidden tests (D1, W1): a small set made locally.   --task=code
 
 Each problem asks for one function ("kth_largest(xs) returns the 2nd largest element ..."); its tests
 are calls with inputs drawn from the problem's own seed and the expected values of its reference

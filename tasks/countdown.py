@@ -1,9 +1,10 @@
-"""Countdown (SPEC D1): reach the target with + - * / and each given number once.   --task=countdown
+"""Countdown (D1): reach the target with + - * / and each given number once.   --task=countdown
 
 The problems are generated (data/countdown.py: 3-4 numbers in 1..99, every one solvable); the prompt is
 a chat message for an instruct model; the reward is rewards.countdown_reward.
 """
 
+from config import ConfigError
 from data.countdown import countdown_problems
 from rewards import countdown_reward
 
@@ -18,6 +19,8 @@ SETTINGS = {}  # the generator's difficulty, from the run's config (configure)
 
 
 def configure(cfg):
+    if not cfg.countdown_numbers or not set(cfg.countdown_numbers) <= {2, 3, 4, 5, 6}:
+        raise ConfigError(f"countdown_numbers={cfg.countdown_numbers}: use counts from 2 to 6, e.g. (3, 4)")
     SETTINGS.update(num_counts=cfg.countdown_numbers, max_number=cfg.countdown_max_number,
                     max_target=cfg.countdown_max_target)
 

@@ -1,4 +1,4 @@
-"""Math word problems with exact answers (SPEC D1): the default run's task.   --task=math
+"""Math word problems with exact answers (D1): the default run's task.   --task=math
 
 Generated locally (data/arith.py: addition by default, math_kinds for more); the answer is judged by
 rewards.math_reward: the last \\boxed{} or <answer>, or with math_last_number the text's last number; with
@@ -7,7 +7,8 @@ A dataset row works too (tasks/dataset.py): "question" gets this prompt's instru
 used as it is, and a GSM8K answer ("... #### 72") is judged by what follows ####.
 """
 
-from data.arith import math_problems
+from config import ConfigError
+from data.arith import KINDS, math_problems
 from rewards import math_reward
 
 # No concrete number in the example: a small model copies it as its answer (with \boxed{42} here,
@@ -20,6 +21,8 @@ SETTINGS = {}
 
 
 def configure(cfg):
+    if not cfg.math_kinds or set(cfg.math_kinds) - set(KINDS):
+        raise ConfigError(f"math_kinds={cfg.math_kinds}: choose from {tuple(KINDS)}")
     SETTINGS.update(kinds=cfg.math_kinds, max_number=cfg.math_max_number, last_number=cfg.math_last_number,
                     tools=cfg.tools)
 

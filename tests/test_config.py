@@ -1,4 +1,4 @@
-"""Config loading, overrides and pre-flight checks (SPEC O6).   pytest tests/test_config.py"""
+"""Config loading, overrides and pre-flight checks (O6).   pytest tests/test_config.py"""
 
 import ast
 import dataclasses
@@ -32,7 +32,7 @@ def test_every_setting_has_a_comment():
 
 
 def test_every_technique_setting_names_its_spec_id():
-    # the SPEC techniques that live in config, advantage and loss
+    # the techniques that live in config, advantage and loss
     for tech in ["D1", "D2", "W2", "W3", "R1", "R3", "R4", "A1", "A2", "A3", "L1", "L2", "L4", "L5", "L7", "L8", "F2",
                  "O1", "O2", "O3", "O5", "O6"]:
         assert f"{tech}:" in inspect.getsource(Config), tech

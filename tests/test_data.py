@@ -1,4 +1,4 @@
-"""Task data: generators, splits and the prompt samplers (SPEC D1-D3).   pytest tests/test_data.py
+"""Task data: generators, splits and the prompt samplers (D1-D3).   pytest tests/test_data.py
 
 Dataset files (data/files.py) are tested with the tasks that read them, in tests/test_task.py.
 """

@@ -1,4 +1,4 @@
-"""The pre-flight memory estimate against the device (SPEC O6).   pytest tests/test_preflight.py"""
+"""The pre-flight memory estimate against the device (O6).   pytest tests/test_preflight.py"""
 
 import json
 import os

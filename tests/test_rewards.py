@@ -1,4 +1,4 @@
-"""Verifiers on hand-written and adversarial input (SPEC W1-W6).   pytest tests/test_rewards.py"""
+"""Verifiers on hand-written and adversarial input (W1-W6).   pytest tests/test_rewards.py"""
 
 import os
 import socket

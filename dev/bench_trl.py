@@ -1,8 +1,8 @@
 """This loop against TRL's GRPOTrainer on the same work, step time side by side in one run.
 
     pip install --no-deps trl       # this script's own, optional dependency (trl 1.16 runs on our transformers)
-    python bench_trl.py             # the default run's work: SmolLM2-135M-Instruct, fp32, the math task
-    python bench_trl.py --steps 3 --dtype=bfloat16    # bf16 autocast on both sides
+    python -m dev.bench_trl             # the default run's work: SmolLM2-135M-Instruct, fp32, the math task
+    python -m dev.bench_trl --steps 3 --dtype=bfloat16    # bf16 autocast on both sides
 
 Both sides get the same model, prompts (the task's, through the chat template), reward (the task's
 reward function), batch (prompts_per_step x group_size completions, one optimizer step per batch),
@@ -13,14 +13,12 @@ steps; the median of the timed steps is printed, and the ratios.
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 
-import bench
 from config import config_from_argv
+from dev import bench
 
 
 def trl_steps(cfg, steps):
@@ -94,5 +92,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     main()

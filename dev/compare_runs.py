@@ -1,7 +1,7 @@
 """Two runs' metrics.jsonl side by side: equal except times and memory, or the first difference.
 
-    python compare_runs.py out/before out/after          # e.g. a fixed-seed tiny run before and after a refactor
-    python compare_runs.py out/before out/after --steps 3 --rel 1e-6
+    python -m dev.compare_runs out/before out/after          # e.g. a fixed-seed tiny run before and after a refactor
+    python -m dev.compare_runs out/before out/after --steps 3 --rel 1e-6
 
 A refactor keeps behaviour: with the same seed and settings every logged value of every step must
 match (times and memory excepted, they measure the machine). Exits 1 on the first mismatch.

@@ -1,4 +1,4 @@
-"""How fast the verifiers score (SPEC W1): python bench_rewards.py
+"""How fast the verifiers score (W1): python -m dev.bench_rewards
 
 Scores a batch of 1,000 realistic Countdown completions (right, wrong, malformed, long rambling)
 several times through the task (tasks/countdown.py) and prints the median, in this process and in

@@ -1,11 +1,11 @@
-"""Where every second of a GRPO step goes, and what the update costs in memory (SPEC M1).
+"""Where every second of a GRPO step goes, and what the update costs in memory (M1).
 
-    python bench.py                               # the default CPU run, both engines, 3 timed steps each
-    python bench.py --config config/tiny.py --steps 10 --engines hf
-    python bench.py --memory                      # update peak vs one plain forward+backward, same micro-batch
-    python bench.py --passes run                  # reference + update with/without shared prompts, tail runs, fused
-    python bench.py --packing countdown --config config/tiny.py --micro_batch_tokens=8192   # O4: padded vs packed
-    torchrun --nproc_per_node=1 bench.py --update --config config/countdown_3b.py   # the update alone, FSDP2
+    python -m dev.bench                               # the default CPU run, both engines, 3 timed steps each
+    python -m dev.bench --config config/tiny.py --steps 10 --engines hf
+    python -m dev.bench --memory                      # update peak vs one plain forward+backward, same micro-batch
+    python -m dev.bench --passes run                  # reference + update with/without shared prompts, tail runs, fused
+    python -m dev.bench --packing countdown --config config/tiny.py --micro_batch_tokens=8192   # O4: padded vs packed
+    torchrun --nproc_per_node=1 -m dev.bench --update --config config/countdown_3b.py   # the update alone, FSDP2
 
 Phases: each engine runs grpo.py in a subprocess (eval and checkpoints off) for warmup + steps + 1
 steps; the warm-up steps and the last one (which holds the final eval and save) are dropped, and
@@ -21,8 +21,9 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-PHASES = ["generate", "tools", "score", "push", "sleep", "ref", "old", "update", "checkpoint", "eval"]
+from log import PHASES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 def run_engine(engine, config, overrides, steps, warmup):
@@ -102,9 +103,8 @@ def memory(argv, vocab=0):
     import torch
 
     from config import config_from_argv
-    from grpo import forward_logprobs
     from loss import grpo_loss
-    from model import load_policy, model_path
+    from model import load_policy, model_path, sequence_logprobs
 
     cfg = config_from_argv(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,14 +132,10 @@ def memory(argv, vocab=0):
         policy.zero_grad(set_to_none=True)
 
     def update(naive, fused=False):
-        if naive:  # what most GRPO code does: a full fp32 log_softmax over (B, T, V), kept for backward
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
-                logits = policy(input_ids=ids, attention_mask=attention).logits
-            logp = torch.log_softmax(logits[:, :-1].float() / cfg.temperature, dim=-1)
-            lp, entropy = logp.gather(-1, ids[:, 1:, None]).squeeze(-1), None
-        else:
-            lp, entropy = forward_logprobs(policy, ids, attention, dataclasses.replace(cfg, fused_logprobs=fused),
-                                           cfg.temperature)
+        # naive: what most GRPO code does, a full fp32 log_softmax over (B, T, V) kept for backward
+        vcfg = dataclasses.replace(cfg, fused_logprobs=fused, chunked_logprobs=not naive)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+            lp, entropy = sequence_logprobs(policy, ids, cfg.temperature, vcfg, attention_mask=attention)
         loss, _ = grpo_loss(lp, lp.detach(), torch.randn(B, device=device), mask, ref_logprobs=lp.detach(),
                             beta=cfg.beta, entropy=entropy, entropy_coef=cfg.entropy_coef)
         loss.backward()
@@ -218,8 +214,9 @@ def passes(argv, shape, repeats):
     import torch
 
     from config import config_from_argv
-    from grpo import Passes, accumulate_gradients, batch_logprobs, keep_freed_memory, prepare_update
+    from grpo import Passes, accumulate_gradients, batch_logprobs, prepare_update
     from model import load_policy, model_path
+    from perf.cpu import keep_freed_memory
 
     cfg = config_from_argv(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -277,7 +274,7 @@ def packed_logprobs(model, ids, attention, temperature):
     variable-length sequences, sdpa and eager as a dense (T, T) block-diagonal mask. Returns (b, L-1) each."""
     import torch
 
-    from loss import logprobs_and_entropy
+    from perf.logprobs import logprobs_and_entropy
 
     lengths = attention.sum(1).tolist()
     flat = torch.cat([ids[r, :n] for r, n in enumerate(lengths)])[None]  # (1, T)
@@ -320,7 +317,7 @@ def packing(argv, shape, repeats):
             if packed:
                 lp, _ = packed_logprobs(policy, ids, attention, cfg.temperature)
             else:
-                lp, _ = sequence_logprobs(policy, ids, cfg.temperature, False, attention_mask=attention)
+                lp, _ = sequence_logprobs(policy, ids, cfg.temperature, cfg, attention_mask=attention)
             (lp * weights[mb, : L - 1]).sum().backward()
             lps.append((lp * ub.mask[mb, : L - 1]).detach())
         policy.zero_grad(set_to_none=True)

@@ -1,0 +1,231 @@
+"""Checkpoints and the run's ownership of its out_dir: save, resume, keep the logs in step.
+
+A checkpoint is one folder, ckpt_<step>: the policy's weights as save_pretrained writes them (the
+LoRA adapter only, with LoRA), the tokenizer, optimizer.pt, rng.pt, trainer_state.json (the step,
+beta, the sampler's state) and grpo_config.json. It is written to a temp folder and renamed, so a
+kill at any moment leaves the last one whole, and a resume continues the same run, data order
+included (D3).
+"""
+
+import dataclasses
+import errno
+import fcntl
+import glob
+import json
+import os
+import random
+import shutil
+import socket
+from dataclasses import dataclass
+
+import torch
+
+import parallel
+from config import ConfigError, changed_settings, save_config
+
+
+@dataclass
+class TrainState:
+    """Everything of the run besides models, optimizer and sampler that a resume needs (trainer_state.json)."""
+
+    step: int = 0  # updates done
+    beta: float = 0.0  # the KL weight now (F2 moves it)
+    kl_history: list = dataclasses.field(default_factory=list)  # F2: the current window's mean token KLs
+    nonfinite_in_a_row: int = 0  # L6
+    run_id: str = ""  # names the wandb run; a resume keeps it
+
+
+def checkpoints(out_dir):
+    """Complete checkpoint folders, oldest first (an interrupted save is a .tmp folder and never listed)."""
+    return sorted(glob.glob(os.path.join(out_dir, "ckpt_*")))
+
+
+def save_checkpoint(cfg, policy, ref, tokenizer, optimizer, sampler, state):
+    """Write everything to a temp folder, then rename it: a kill at any moment leaves the last one whole.
+
+    Called on every rank: the full (unsharded) states are gathered to rank 0, which alone writes. The
+    same files whatever the number of ranks, so any number can resume them, and from_pretrained reads them.
+    """
+    model_state, optimizer_state = parallel.full_state(policy, optimizer)  # optimizer keyed by parameter name
+    ref_state = parallel.full_state(ref)[0] if cfg.ref_refresh_steps and ref is not None else None
+    if parallel.rank() > 0:
+        parallel.barrier()
+        return
+    final = os.path.join(cfg.out_dir, f"ckpt_{state.step:06d}")
+    tmp = os.path.join(cfg.out_dir, f".tmp_ckpt_{state.step:06d}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp, state_dict=model_state)  # with LoRA: the adapter only
+    tokenizer.save_pretrained(tmp)
+    torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
+    torch.save(rng_states(), os.path.join(tmp, "rng.pt"))
+    if ref_state is not None:
+        torch.save(ref_state, os.path.join(tmp, "reference.pt"))
+    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        json.dump({**dataclasses.asdict(state), "sampler": sampler.state_dict()}, f)
+    save_config(cfg, os.path.join(tmp, "grpo_config.json"))  # config.json is the HF model config
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)  # atomic on one file system
+    for old in checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints]:
+        shutil.rmtree(old)
+    parallel.barrier()  # the other ranks wait until the checkpoint is whole
+
+
+def load_checkpoint(folder, cfg, policy, ref, optimizer, sampler):
+    """Restore what save_checkpoint wrote (the policy's weights are loaded with the model); the TrainState."""
+    with open(os.path.join(folder, "trainer_state.json")) as f:
+        saved = json.load(f)
+    sampler.load_state_dict(saved.pop("sampler"))
+    state = TrainState(**{k: saved[k] for k in ("step", "beta", "kl_history", "nonfinite_in_a_row")},
+                       run_id=saved.get("run_id", ""))
+    parallel.load_optimizer(policy, optimizer, torch.load(os.path.join(folder, "optimizer.pt")))
+    restore_rng(torch.load(os.path.join(folder, "rng.pt"), weights_only=False))
+    if ref is not None and cfg.ref_refresh_steps:
+        parallel.load_model(ref, torch.load(os.path.join(folder, "reference.pt")))
+    print(f"resumed from {folder} at step {state.step}")
+    return state
+
+
+def rng_states():
+    """The RNG states a checkpoint keeps. CUDA's is this process's device's only: the run may resume
+    on fewer GPUs than it was saved on."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda}
+
+
+def restore_rng(rng):
+    """Restore rng_states(); the CUDA state goes to this process's device."""
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    cuda = rng["cuda"]
+    if isinstance(cuda, list):  # an older checkpoint's: every visible device's, rank 0's own first
+        cuda = cuda[0] if cuda else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
+
+
+def truncate_log(path, step):
+    """Drop the lines of steps >= step from a JSONL log: they were written after the checkpoint we
+    resume from. A torn last line (a kill or a full disk mid-write) is dropped too, and said; a
+    damaged line elsewhere is an error naming it."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        lines = f.read().splitlines() if step else []  # from step 0 nothing is kept
+    keep = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            logged = json.loads(line)["step"] if line.strip() else step
+        except (ValueError, KeyError, TypeError):
+            if lineno < len(lines):
+                raise ConfigError(f"{path}, line {lineno} is not a log record; delete that line, "
+                                  "or every line from it on, and resume again") from None
+            print(f"{path}: its last line was cut off mid-write (the run was killed, or the disk "
+                  "filled); dropped it")
+            continue
+        if logged < step:
+            keep.append(line + b"\n")
+    with open(path + ".tmp", "wb") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+OUT_DIR_LOCKS = {}  # out_dir/.lock -> its open file: the lock lasts while the file stays open
+
+
+def lock_out_dir(out_dir):
+    """Hold out_dir/.lock for the life of this process, or fail at once naming the one holding it.
+
+    A POSIX lock (lockf): the kernel drops it when its process ends, however it ends, so a killed
+    run's lock never blocks; and unlike flock's, the processes forked later do not hold it too.
+    """
+    path = os.path.join(out_dir, ".lock")
+    held = OUT_DIR_LOCKS.get(os.path.realpath(path))
+    if held and os.path.exists(path) and os.path.samestat(os.fstat(held.fileno()), os.stat(path)):
+        return  # this process holds it (main called again)
+    f = open(path, "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks
+            print(f"warning: cannot lock {path} ({e.strerror}); nothing stops a second run on "
+                  "this out_dir")
+            return
+        raise ConfigError(f"out_dir {out_dir} is in use by {holder}: one run per out_dir; wait for "
+                          "it or stop it, or give this run another --out_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    OUT_DIR_LOCKS[os.path.realpath(path)] = f
+
+
+def run_files(out_dir):
+    """What a run leaves in out_dir: its logs (when not empty) and its checkpoint folders."""
+    logs = [os.path.join(out_dir, name) for name in ("metrics.jsonl", "samples.jsonl")]
+    logs = [os.path.basename(p) for p in logs if os.path.isfile(p) and os.path.getsize(p)]
+    return logs + [os.path.basename(c) for c in checkpoints(out_dir)]
+
+
+def claim_out_dir(cfg, rank):
+    """Make out_dir this run's: locked while it runs, no other run's files in a fresh run; on resume
+    the checkpoint's settings, the logs cut back to its step. Returns the checkpoint, or None."""
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"out_dir={cfg.out_dir!r} cannot be created: {e.strerror}") from None
+    if rank == 0:
+        lock_out_dir(cfg.out_dir)
+    found = run_files(cfg.out_dir)
+    if not cfg.resume:
+        if found and not cfg.eval_only:  # eval_only only appends to eval.jsonl
+            raise ConfigError(f"{cfg.out_dir} already holds a run ({', '.join(found)}), which a "
+                              "fresh run would mix with; continue it with --resume=true, or give "
+                              "this run another --out_dir (or delete those)")
+        return None
+    resume_from = (checkpoints(cfg.out_dir) or [None])[-1]
+    if cfg.eval_only:  # evaluates the checkpoint; the run's logs stay as they are
+        return resume_from
+    if resume_from:
+        step = checkpoint_step(resume_from)
+        check_same_run(cfg, resume_from)
+    else:  # killed before its first checkpoint
+        step = 0
+        cleared = ", its logs cleared" if found else ""
+        print(f"resume=True, but {cfg.out_dir} holds no complete checkpoint yet: starting from "
+              f"step 0{cleared}")
+    for log in ("metrics.jsonl", "samples.jsonl") if rank == 0 else ():
+        truncate_log(os.path.join(cfg.out_dir, log), step)
+    return resume_from
+
+
+def checkpoint_step(folder):
+    """The step a checkpoint was saved after (its trainer_state.json)."""
+    path = os.path.join(folder, "trainer_state.json")
+    try:
+        with open(path) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} cannot be read ({e}): {folder} is not a checkpoint of grpo.py; "
+                          "move it out of out_dir") from None
+
+
+def check_same_run(cfg, folder):
+    """A resume goes on with the checkpoint's run: its RUN_SETTINGS (unless resume_changed)."""
+    path = os.path.join(folder, "grpo_config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read ({e}): {folder} is not a checkpoint of grpo.py; "
+                          "move it out of out_dir") from None
+    changed = ", ".join(f"{k} {was!r} -> {now!r}" for k, was, now in changed_settings(cfg, saved))
+    if changed and not cfg.resume_changed:
+        raise ConfigError(f"settings changed since {folder} was saved: {changed}. Resume with the "
+                          "checkpoint's settings, pass --resume_changed=true to go on with the new "
+                          "ones, or start a new run in another --out_dir")
+    if changed:
+        print(f"resume_changed=True: going on from {folder} with changed settings: {changed}")
+
