@@ -184,7 +184,9 @@ def synthetic_batch(cfg, tokenizer, prompt_lens, completion_lens, seed=0):
             completions.append(Completion(prompt, [rng.randrange(V) for _ in range(C)], "", [0.0] * C, False))
     n = len(completions)
     lengths = torch.tensor([len(c.completion_ids) for c in completions])
-    return Rollouts(list(range(n)), completions, torch.zeros(n), {}, lengths, torch.zeros(n), torch.zeros(n, 3))
+    return Rollouts(problem=list(range(n)), completions=completions, rewards=torch.zeros(n), components={},
+                    lengths=lengths, truncated=torch.zeros(n), tool_calls=torch.zeros(n),
+                    tool_errors=torch.zeros(n), tool_tokens=torch.zeros(n))
 
 
 def batch_shape(cfg, tokenizer, shape):
