@@ -1,10 +1,16 @@
-"""bench.py's side-by-side passes run on the tiny model: every variant, the same tokens, the positions each computes."""
+"""dev/bench.py's side-by-side passes on the tiny model: every variant, the same tokens, the
+positions each computes.   pytest tests/test_bench.py
+"""
 
-import bench
+import os
+
+from config import Config
+from dev import bench
 
 
 def test_passes_compare_every_variant_on_one_batch(capsys):
-    results = bench.passes(["--config", "config/tiny.py", "--batch_size=8", "--micro_batch_tokens=2048"],
+    tiny = os.path.join(bench.ROOT, "config", "tiny.py")
+    results = bench.passes(["--config", tiny, "--batch_size=8", "--micro_batch_tokens=2048"],
                            "countdown", repeats=1)
     by_name = {r["variant"]: r for r in results}
     assert list(by_name) == [name for name, *_ in bench.PASS_VARIANTS]
@@ -19,8 +25,9 @@ def test_passes_compare_every_variant_on_one_batch(capsys):
 
 
 def test_packed_rows_give_the_padded_rows_logprobs_and_gradients(tmp_path):
-    """O4 as bench.py measures it: the rows packed into one sequence (positions restarting per row, no mask)
-    give the padded forward's logprobs, entropies and gradients to 1e-5 in fp32."""
+    """O4 as dev/bench.py measures it: the rows packed into one sequence (positions restarting per
+    row, no mask) give the padded plain forward's logprobs, entropies and gradients to 1e-5 in
+    fp32."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -39,7 +46,9 @@ def test_packed_rows_give_the_padded_rows_logprobs_and_gradients(tmp_path):
         ((lp + 0.3 * entropy) * weights).sum().backward()
         return lp * attention[:, 1:], entropy * attention[:, 1:], [p.grad.clone() for p in model.parameters()]
 
-    padded = values_and_grads(lambda: sequence_logprobs(model, ids, 0.7, False, attention_mask=attention))
+    plain = Config(fused_logprobs=False, chunked_logprobs=False)
+    padded = values_and_grads(
+        lambda: sequence_logprobs(model, ids, 0.7, plain, attention_mask=attention))
     packed = values_and_grads(lambda: bench.packed_logprobs(model, ids, attention, 0.7))
     assert torch.allclose(packed[0], padded[0], atol=1e-5) and torch.allclose(packed[1], padded[1], atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(packed[2], padded[2]))

@@ -144,7 +144,9 @@ def test_shared_prompt_forward_equals_the_padded_rows_on_the_device(tiny_folder,
     """Each prompt once (a left-padded prompt pass, completions on its keys and values) against the
     padded forward, as the trainer runs it on CUDA: equal in fp32 (1e-4), finite and close in bf16
     autocast, with gradient checkpointing and the fused head."""
-    from model import sequence_logprobs, shared_prompt_logprobs
+    from config import Config
+    from model import sequence_logprobs
+    from perf.shared_prompt import shared_prompt_logprobs
 
     overrides = [f"--dtype={dtype}", f"--gradient_checkpointing={checkpointing}"]
     _, model = load_policy(load_config(overrides=overrides), tiny_folder, DEV)
@@ -152,10 +154,12 @@ def test_shared_prompt_forward_equals_the_padded_rows_on_the_device(tiny_folder,
     ids, attention, mask, prompt_lens, groups = grouped_rows(model.config.vocab_size)
     bf16 = dtype == "bfloat16"
     def padded_pass():
-        return sequence_logprobs(model, ids, 0.7, False, attention_mask=attention)
+        plain = Config(fused_logprobs=False, chunked_logprobs=False)
+        return sequence_logprobs(model, ids, 0.7, plain, attention_mask=attention)
 
     def shared_pass():
-        return shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 0.7, fused)
+        cfg = Config(fused_logprobs=fused)
+        return shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 0.7, cfg)
 
     padded = values_and_grads(model, padded_pass, mask, bf16)
     shared = values_and_grads(model, shared_pass, mask, bf16)
@@ -216,8 +220,8 @@ def test_fused_head_on_cuda_sums_the_weight_gradient_in_place(monkeypatch):
     tensors (the bf16 weight copy and the gradient) for 1 chunk as for 6, and the gradient is the
     bf16 operands' product summed in fp32 (summing in bf16 would be ~3e-3 off, rounding each
     chunk's product to bf16 ~2e-3, in relative norm)."""
-    import loss
-    from loss import head_chunk, linear_logprobs_and_entropy
+    from perf import logprobs
+    from perf.logprobs import head_chunk, linear_logprobs_and_entropy
 
     torch.manual_seed(0)
     V, H, N = 8192, 2048, 1200  # a chunk's (N, V) buffers stay smaller than (V, H)
@@ -228,9 +232,9 @@ def test_fused_head_on_cuda_sums_the_weight_gradient_in_place(monkeypatch):
     p = torch.softmax((h @ weight.detach().bfloat16().T).float(), -1)  # bf16 logits, as the head's
     want = (F.one_hot(tokens[0], V) - p).bfloat16().float().T @ h.float()  # d sum(log p) / dW
     chunks = []
-    apply = loss._LinearLogprobsEntropy.apply
+    apply = logprobs._LinearLogprobsEntropy.apply
     spy = lambda *args: chunks.append(args[5]) or apply(*args)  # noqa: E731
-    monkeypatch.setattr(loss._LinearLogprobsEntropy, "apply", spy)
+    monkeypatch.setattr(logprobs._LinearLogprobsEntropy, "apply", spy)
     for chunk in (None, N // 6):
         weight.grad = None
         with torch.autocast(DEV, dtype=torch.bfloat16):
@@ -250,13 +254,9 @@ def test_3b_update_time_and_peak_memory_against_preflight():
     second with AdamW's moments): finite, and the peak within pre-flight's estimate."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from dev.bench import batch_shape, synthetic_batch
     from grpo import Passes, accumulate_gradients, batch_logprobs, optimizer_step, prepare_update
     from preflight import SHAPES, estimate_memory, update_peak
-
-    try:
-        from bench import batch_shape, synthetic_batch
-    except ImportError:  # the benchmarks kept under dev/
-        from dev.bench import batch_shape, synthetic_batch
 
     cfg = load_config(os.path.join(ROOT, "config", "countdown_3b.py"))
     shape = SHAPES[cfg.model]

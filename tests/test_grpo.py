@@ -6,7 +6,6 @@ Each vLLM run spends ~20 s starting the engine on this CPU; the loop itself is ~
 import json
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -223,40 +222,6 @@ def test_a_run_owns_its_out_dir(tmp_path):
     grpo.prepare_run(second)  # this process holds the lock: a second call is fine
 
 
-def test_resume_on_fewer_gpus_restores_this_devices_cuda_rng(tmp_path, monkeypatch):
-    """rng.pt from a 4-GPU run (rank 0 saved every visible device's CUDA RNG), resumed on one GPU:
-    only this device's state is set (indexing the others crashed), and a save keeps only its own."""
-    cfg = config.config_from_argv([*TINY, f"--out_dir={tmp_path}"])
-    policy = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.AdamW(policy.parameters())
-    sampler = grpo.make_sampler(cfg, 10)
-    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(4)]
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": states}
-    torch.save(rng, tmp_path / "rng.pt")
-    torch.save(grpo.parallel.full_state(policy, optimizer)[1], tmp_path / "optimizer.pt")
-    trainer_state = {"step": 3, "beta": 0.0, "kl_history": [], "nonfinite_in_a_row": 0,
-                     "sampler": sampler.state_dict()}
-    (tmp_path / "trainer_state.json").write_text(json.dumps(trainer_state))
-    restored = []
-
-    def set_rng_state(state, device="cuda"):  # one GPU: device 0 (the current one) only
-        index = device if isinstance(device, int) else torch.device(device).index or 0
-        if index >= 1:
-            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
-        restored.append(state)
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
-    # torch.cuda.set_rng_state_all calls this one
-    monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_rng_state)
-    assert grpo.load_checkpoint(str(tmp_path), cfg, policy, None, optimizer, sampler).step == 3
-    assert len(restored) == 1 and torch.equal(restored[0], states[0])
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[2])  # this GPU's
-    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
-    assert torch.equal(grpo.rng_states()["cuda"], states[2])
-
-
 def test_lora_reference_is_the_base_and_only_adapters_train(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -296,27 +261,6 @@ def test_bad_input_fails_before_any_model_loads(tmp_path):
                    "--max_prompt_len=8", "--max_completion_len=8", "--micro_batch_tokens=64"])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-@pytest.mark.parametrize("keep", ["true", "false"])
-def test_cpu_keep_memory_reuses_freed_blocks(tmp_path, keep):
-    """cpu_keep_memory: after prepare_run on a CPU a freed 64 MB block serves the next allocation with no page
-    faults; off, glibc maps each such block afresh and every page is faulted in again (ru_minflt counts them)."""
-    code = f"""
-import resource, torch, grpo
-grpo.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}", "--device=cpu", "--cpu_keep_memory={keep}"])
-faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-x = torch.ones(2**24)  # 64 MB, every page touched, then freed
-del x
-before = faults()
-y = torch.ones(2**24)
-print(faults() - before)
-"""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    faults, pages = int(proc.stdout.split()[-1]), 2**26 // os.sysconf("SC_PAGE_SIZE")
-    assert faults < pages // 10 if keep == "true" else faults > pages * 9 // 10
-
-
 def test_micro_batches_respect_the_token_budget():
     lengths = [10, 50, 30, 30, 20, 5, 45]
     batches = grpo.micro_batches(lengths, 100)
@@ -324,37 +268,6 @@ def test_micro_batches_respect_the_token_budget():
     assert all(len(b) * max(lengths[i] for i in b) <= 100 for b in batches)
     assert batches[0] == [1, 6]  # longest first: 2 x 50 fits, a third would not
     assert grpo.micro_batches([300], 100) == [[0]]  # one sequence is never split (pre-flight keeps it within budget)
-
-
-def test_shared_prompt_micro_batches_keep_groups_whole_under_the_budget():
-    """Cost of a micro-batch: its groups' prompts but the last token, once (groups x longest), plus every row's
-    last prompt token + completion (rows x longest). Hand-worked: groups 0 (prompt 11) and 1 (prompt 21), G = 2."""
-    lengths, prompt_lens, groups = [20, 15, 40, 30], [11, 11, 21, 21], [0, 0, 1, 1]  # tails 10, 5, 20, 10
-    assert grpo.shared_prompt_cost([0, 1], lengths, prompt_lens, groups, False) == (1 * 10 + 2 * 10, 10 + 10 + 5)
-    assert grpo.shared_prompt_cost([0, 2], lengths, prompt_lens, groups, False) == (2 * 20 + 2 * 20, 30 + 10 + 20)
-    # tail runs: a tail at most half its run's longest starts a run of its own, padded to its own length
-    assert grpo.shared_prompt_cost([0, 1], lengths, prompt_lens, groups) == (1 * 10 + 10 + 5, 10 + 10 + 5)
-    assert grpo.shared_prompt_cost([0, 2], lengths, prompt_lens, groups) == (2 * 20 + 20 + 10, 30 + 10 + 20)
-    assert grpo.shared_prompt_cost([0, 3], lengths, prompt_lens, groups) == (2 * 20 + 2 * 10, 30 + 10 + 10)
-    assert grpo.shared_micro_batches(lengths, prompt_lens, groups, 1000) == [[2, 3, 0, 1]]  # longest group first
-    assert grpo.shared_micro_batches(lengths, prompt_lens, groups, 60) == [[2, 3], [0, 1]]  # 20 + 2 x 20 = 60 fits
-    # a group over the budget alone is split between its rows, each part computing the prompt once
-    assert grpo.shared_micro_batches(lengths, prompt_lens, groups, 45) == [[2], [3], [0, 1]]
-
-
-def test_shared_prompt_and_fused_logprobs_give_the_padded_runs_numbers(tmp_path):
-    """The same fixed-seed run with each prompt computed once and the fused head, and without either: every
-    logged figure but the positions computed (and pad_frac, their padding) agrees to fp32 rounding."""
-    args = ["--engine=hf", "--dtype=float32", "--max_steps=2", "--beta=0.02", "--num_iterations=2", "--eval_every=0",
-            "--micro_batch_tokens=192"]
-    run(tmp_path / "padded", *args, "--shared_prompt=false", "--fused_logprobs=false")
-    run(tmp_path / "shared", *args, "--shared_prompt=true", "--fused_logprobs=true")
-    a, b = read_jsonl(tmp_path / "padded" / "metrics.jsonl"), read_jsonl(tmp_path / "shared" / "metrics.jsonl")
-    assert len(a) == len(b) == 2
-    for x, y in zip(a, b):
-        assert x["tokens"] == y["tokens"] and y["tokens_computed"] < x["tokens_computed"]
-        for key in ("reward", "loss", "grad_norm", "kl", "entropy", "approx_kl_old", "sampler_logprob_diff_mean"):
-            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
 
 
 def test_pad_batch_masks_only_response_tokens():
@@ -646,7 +559,8 @@ def test_no_two_rows_turns_or_steps_of_a_run_share_a_seed():
     """Row j of slot i at step t, tool turn k: one seed each over a long run (64 prompts x G = 8 a step, 3 turns,
     consecutive steps and steps far apart), eval's stream apart from training's; N ranks' slices are one
     process's seeds, and the seeds are a pure function of the key (a resumed run, another process, gets them)."""
-    from rollout import derive_seed, turn_seed
+    from rollout import derive_seed
+    from tools import turn_seed
 
     cfg = config.load_config(overrides=["--group_size=8", "--batch_size=512", "--seed=1337"])
     steps = [*range(150), *range(7850, 8000)]
@@ -705,7 +619,7 @@ def reward(completion, problem):
 parallel.setup("cpu")
 cfg = load_config(overrides=["--batch_size=16", "--group_size=4", "--dynamic_sampling=true", "--reward_timeout=0"])
 problems = [{"id": str(i), "i": i} for i in range(20)]
-train = Task("test", None, None, reward), problems, [[100 + i] for i in range(20)]
+train = grpo.Split(Task("test", None, None, reward), problems, [[100 + i] for i in range(20)])
 engine, sampler, steps = Engine(), InOrder(), []
 for step in range(2):
     batch, drawn, rounds = grpo.collect_rollouts(engine, sampler, train, cfg, step, 1.0, {})

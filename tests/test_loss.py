@@ -1,218 +1,82 @@
-"""The GRPO loss, token logprobs, adaptive KL and the LR schedule.   pytest tests/test_loss.py"""
+"""The GRPO loss, plain token logprobs, adaptive KL, the LR schedule.   pytest tests/test_loss.py
+
+The chunked and fused token logprobs (perf/logprobs.py) are held to the plain ones in test_perf.py.
+"""
 
 import math
 
 import pytest
 import torch
 
-from loss import adaptive_kl_beta, grpo_loss, linear_logprobs_and_entropy, logprobs_and_entropy, lr_at, token_logprobs
+from loss import adaptive_kl_beta, grpo_loss, lr_at, token_logprobs
 
 LN = math.log
 
 
-# ---------------------------------------------------------------- token logprobs
+# ---------------------------------------------------------------- token logprobs (the plain path)
 
 
-def naive_logprobs(logits, tokens, temperature):
-    logp_all = torch.log_softmax(logits.double() / temperature, dim=-1)
-    logp = logp_all.gather(-1, tokens[..., None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+def naive_token_logprobs(logits, tokens, temperature):
+    """log p(token) and each position's entropy, one position at a time: math.exp, math.log."""
+    logprobs, entropies = [], []
+    for row, row_tokens in zip(logits.tolist(), tokens.tolist()):
+        lp_row, ent_row = [], []
+        for z, token in zip(row, row_tokens):
+            z = [x / temperature for x in z]
+            top = max(z)  # softmax is shift-invariant; the shift keeps exp from overflowing
+            weights = [math.exp(x - top) for x in z]
+            total = sum(weights)
+            p = [w / total for w in weights]
+            lp_row.append(math.log(p[token]))
+            ent_row.append(-sum(q * math.log(q) for q in p if q > 0))
+        logprobs.append(lp_row)
+        entropies.append(ent_row)
+    return torch.tensor(logprobs, dtype=torch.float64), torch.tensor(entropies, dtype=torch.float64)
 
 
 def test_token_logprobs_hand_worked():
     # softmax([0, ln 3]) = [1/4, 3/4]
     logits = torch.tensor([[[0.0, LN(3)], [0.0, LN(3)]]])
-    lp, ent = logprobs_and_entropy(logits, torch.tensor([[1, 0]]))
+    lp, ent = token_logprobs(logits, torch.tensor([[1, 0]]))
     assert lp.tolist()[0] == pytest.approx([LN(3 / 4), LN(1 / 4)], abs=1e-6)
     want_h = -(0.25 * LN(0.25) + 0.75 * LN(0.75))
     assert ent.tolist()[0] == pytest.approx([want_h, want_h], abs=1e-6)
+    assert want_h == pytest.approx(0.562, abs=1e-3)  # the docstring's example
     # temperature 2 halves the logits: softmax([0, ln 3 / 2]) = [1 / (1 + sqrt 3), sqrt 3 / (1 + sqrt 3)]
-    lp_t = token_logprobs(logits, torch.tensor([[1, 0]]), temperature=2.0)
+    lp_t, ent_t = token_logprobs(logits, torch.tensor([[1, 0]]), temperature=2.0)
     s3 = math.sqrt(3)
-    assert lp_t.tolist()[0] == pytest.approx([LN(s3 / (1 + s3)), LN(1 / (1 + s3))], abs=1e-6)
+    p = [1 / (1 + s3), s3 / (1 + s3)]
+    assert lp_t.tolist()[0] == pytest.approx([LN(p[1]), LN(p[0])], abs=1e-6)
+    assert ent_t.tolist()[0] == pytest.approx([-(p[0] * LN(p[0]) + p[1] * LN(p[1]))] * 2, abs=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunk", [1, 3, 1024])
-def test_token_logprobs_match_log_softmax(dtype, chunk):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_equal_a_naive_loop(dtype, temperature):
+    """The plain definition against softmax written out position by position; fp32 from bf16 too."""
     torch.manual_seed(0)
-    logits = (torch.randn(3, 7, 50) * 4).to(dtype)
-    tokens = torch.randint(0, 50, (3, 7))
-    lp, ent = logprobs_and_entropy(logits, tokens, 0.7, chunk=chunk)
-    want_lp, want_ent = naive_logprobs(logits, tokens, 0.7)
-    assert lp.dtype == torch.float32  # fp32 even from bf16 logits (L6)
+    logits = (torch.randn(2, 5, 11) * 4).to(dtype)
+    tokens = torch.randint(0, 11, (2, 5))
+    lp, ent = token_logprobs(logits, tokens, temperature)
+    assert lp.dtype == ent.dtype == torch.float32  # fp32 even from bf16 logits (L6)
+    want_lp, want_ent = naive_token_logprobs(logits.float(), tokens, temperature)
     assert torch.allclose(lp.double(), want_lp, atol=1e-5)
     assert torch.allclose(ent.double(), want_ent, atol=1e-5)
+    assert (ent > 0).all() and (lp < 0).all()
 
 
-def test_gradients_match_autograd_of_log_softmax():
-    torch.manual_seed(1)
-    x = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
-    tokens = torch.randint(0, 11, (2, 5))
-    w_lp, w_ent = torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
-    lp, ent = logprobs_and_entropy(x, tokens, 1.3, chunk=2)
-    (g,) = torch.autograd.grad((lp * w_lp).sum() + (ent * w_ent).sum(), x)
-    want_lp, want_ent = naive_logprobs(x, tokens, 1.3)
-    (want_g,) = torch.autograd.grad((want_lp * w_lp).sum() + (want_ent * w_ent).sum(), x, retain_graph=True)
-    assert torch.allclose(g, want_g, atol=1e-10)
-    # logprobs alone (entropy unused): its grad is None inside backward and must be skipped cleanly
-    (g_lp,) = torch.autograd.grad((token_logprobs(x, tokens, 1.3) * w_lp).sum(), x)
-    (want_g_lp,) = torch.autograd.grad((want_lp * w_lp).sum(), x)
-    assert torch.allclose(g_lp, want_g_lp, atol=1e-10)
-
-
-def test_gradcheck():
-    torch.manual_seed(2)
-    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
-    tokens = torch.randint(0, 5, (2, 3))
-    assert torch.autograd.gradcheck(lambda x: tuple(logprobs_and_entropy(x, tokens, 0.9, chunk=2)), (x,))
-
-
-
-def test_linear_logprobs_hand_example_and_no_logits():
-    """hidden [1, 0] and rows [0, 0], [ln 3, 0] are the logits [0, ln 3]: log p(token 1) = ln(3/4)."""
-    weight = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]])
-    lp, ent = linear_logprobs_and_entropy(torch.tensor([[[1.0, 0.0]]]), weight, torch.tensor([[1]]))
-    assert lp.item() == pytest.approx(math.log(0.75), abs=1e-6)
-    assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
-
-
-@pytest.mark.parametrize("chunk", [1, 3, 100])
-def test_linear_logprobs_equal_the_logits_path_values_and_gradients(chunk):
-    """Against logprobs_and_entropy(h W^T + b): the same values and the same gradients in h, W and b (fp32)."""
-    torch.manual_seed(0)
-    h = torch.randn(3, 5, 16, requires_grad=True)
-    w, b = torch.randn(50, 16, requires_grad=True), torch.randn(50, requires_grad=True)
-    tokens = torch.randint(0, 50, (3, 5))
-    up_lp, up_ent = torch.randn(3, 5), torch.randn(3, 5)  # arbitrary upstream gradients
-
-    def grads(fn):
-        lp, ent = fn()
-        ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
-        out = lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone(), b.grad.clone()
-        h.grad = w.grad = b.grad = None
-        return out
-
-    fused = grads(lambda: linear_logprobs_and_entropy(h, w, tokens, 0.7, bias=b, chunk=chunk))
-    plain = grads(lambda: logprobs_and_entropy(h @ w.T + b, tokens, 0.7))
-    for got, want in zip(fused, plain):
-        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
-
-
-def test_linear_logprobs_gradcheck():
-    torch.manual_seed(1)
-    h = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(7, dtype=torch.float64, requires_grad=True)
-    tokens = torch.randint(0, 7, (2, 3))
-    assert torch.autograd.gradcheck(lambda h, w, b: linear_logprobs_and_entropy(h, w, tokens, 0.9, bias=b, chunk=2),
-                                    (h, w, b))
-
-
-def test_linear_logprobs_under_bf16_autocast_match_bf16_logits():
-    """Under autocast the head's matmul runs in bf16, as the model's own head would: the same logprobs as
-    bf16 logits through logprobs_and_entropy, and gradients of the fp32 master weights in fp32."""
-    torch.manual_seed(2)
-    h, w = torch.randn(2, 4, 32), torch.randn(64, 32, requires_grad=True)
-    tokens = torch.randint(0, 64, (2, 4))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        lp, _ = linear_logprobs_and_entropy(h, w, tokens)
-        want, _ = logprobs_and_entropy(h @ w.T, tokens)  # bf16 logits
-    assert lp.dtype == torch.float32 and torch.allclose(lp, want, atol=1e-4)
-    lp.sum().backward()
-    assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
-
-def weight_sized_tensors_made(fn, V, H):
-    """How many new tensors of at least V * H elements the ops run by fn() make (views, in-place
-    and out= ops make none)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    made = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            fresh = not (func.is_view or func._schema.name.endswith("_") or "out" in (kwargs or {}))
-            made.extend(t for t in (out if isinstance(out, (tuple, list)) else [out])
-                        if fresh and isinstance(t, torch.Tensor) and t.numel() >= V * H)
-            return out
-
-    with Count():
-        fn()
-    return len(made)
-
-
-@pytest.mark.parametrize("autocast", [False, True])
-def test_fused_head_backward_makes_no_weight_sized_tensor_per_chunk(autocast):
-    """The weight gradient is summed in place chunk by chunk: backward makes the same few (V, H)
-    tensors (the gradient, and under bf16 autocast the weight's bf16 copy) for 1 chunk as for 12,
-    and the gradient is the bf16 product summed in fp32."""
-    torch.manual_seed(4)
-    V, H = 40, 24
-    h, w = torch.randn(1, 12, H), torch.randn(V, H, requires_grad=True)
-    tokens = torch.randint(0, V, (1, 12))
-
-    def backward_count(chunk):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            lp, ent = linear_logprobs_and_entropy(h, w, tokens, chunk=chunk)
-        w.grad = None
-        return weight_sized_tensors_made(lambda: (lp.sum() + ent.sum()).backward(), V, H)
-
-    assert backward_count(12) == backward_count(6) == backward_count(1) == (2 if autocast else 1)
-    if autocast:  # d/dW of sum(log p) = (onehot - p)^T h, with bf16 operands and an fp32 sum
-        p = torch.softmax((h[0].bfloat16() @ w.detach().bfloat16().T).float(), -1)
-        g = (torch.nn.functional.one_hot(tokens[0], V) - p).bfloat16().float()
-        w.grad = None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            lp, _ = linear_logprobs_and_entropy(h, w, tokens, chunk=5)
-        lp.sum().backward()
-        assert torch.allclose(w.grad, g.T @ h[0].bfloat16().float(), atol=1e-5)
-
-
-def test_fused_head_chunk_is_sized_for_the_device(monkeypatch):
-    """2^24 logits a chunk on a CPU (110 positions at Qwen2.5's 152k vocabulary), 2^27 on CUDA
-    (883), at least one position."""
-    import loss
-    from loss import head_chunk
-
-    assert (head_chunk("cpu", 151936), head_chunk("cuda", 151936)) == (110, 883)
-    assert head_chunk("cuda", 2**28) == 1 and head_chunk("mps", 2**20) == 16
-    chunks = []
-    apply = loss._LinearLogprobsEntropy.apply
-    spy = lambda *args: chunks.append(args[5]) or apply(*args)  # noqa: E731
-    monkeypatch.setattr(loss._LinearLogprobsEntropy, "apply", spy)
-    tokens = torch.zeros(1, 3, dtype=torch.long)
-    linear_logprobs_and_entropy(torch.randn(1, 3, 8), torch.randn(2**20, 8), tokens)
-    assert chunks == [16]  # a CPU tensor: the CPU's size
-
-
-def test_non_contiguous_logits_slice():
-    # the trainer passes model_logits[:, :-1], a non-contiguous view
+def test_token_logprobs_of_a_non_contiguous_slice():
+    # the trainer's plain path passes model_logits[:, :-1], a non-contiguous view
     torch.manual_seed(3)
     full = torch.randn(2, 6, 9, requires_grad=True)
     tokens = torch.randint(0, 9, (2, 5))
-    lp = token_logprobs(full[:, :-1], tokens)
-    assert torch.allclose(lp.double(), naive_logprobs(full[:, :-1].detach(), tokens, 1.0)[0], atol=1e-6)
+    lp, ent = token_logprobs(full[:, :-1], tokens)
+    want_lp, want_ent = naive_token_logprobs(full[:, :-1].detach(), tokens, 1.0)
+    assert torch.allclose(lp.double(), want_lp, atol=1e-6)
+    assert torch.allclose(ent.double(), want_ent, atol=1e-6)
     lp.sum().backward()
     assert full.grad[:, -1].abs().sum().item() == 0.0  # the dropped position gets no gradient
-
-
-def test_no_fp32_copy_of_the_logits_is_kept_for_backward():
-    """Saved-for-backward tensors: bf16 logits plus (B, T) vectors; log_softmax(x.float()) keeps (B, T, V) fp32."""
-    B, T, V = 2, 8, 1000
-    logits = torch.randn(B, T, V, dtype=torch.bfloat16, requires_grad=True)
-    tokens = torch.randint(0, V, (B, T))
-
-    def saved(fn):
-        found = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: found.append(t) or t, lambda t: t):
-            fn()
-        return [t for t in found if t.dtype == torch.float32 and t.numel() >= B * T * V]
-
-    assert saved(lambda: token_logprobs(logits, tokens)) == []
-    naive = lambda: torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None])  # noqa: E731
-    assert len(saved(naive)) > 0  # the check can fail
+    assert full.grad[:, :-1].abs().sum().item() > 0
 
 
 # ---------------------------------------------------------------- the loss: hand-worked cases
@@ -335,13 +199,14 @@ def test_token_mean_vs_seq_mean_vs_dr_grpo_on_unequal_lengths():
     mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0]])
     lp = torch.zeros(2, 4)
     adv = torch.tensor([1.0, -1.0])
-    token_mean = grpo_loss(lp, lp, adv, mask, agg="token-mean")[0].item()
-    seq_mean = grpo_loss(lp, lp, adv, mask, agg="seq-mean")[0].item()
-    dr = grpo_loss(lp, lp, adv, mask, agg="dr-grpo")[0].item()
+    token_mean = grpo_loss(lp, lp, adv, mask, loss_agg="token-mean")[0].item()
+    seq_mean = grpo_loss(lp, lp, adv, mask, loss_agg="seq-mean")[0].item()
+    dr = grpo_loss(lp, lp, adv, mask, loss_agg="dr-grpo")[0].item()
     assert token_mean == pytest.approx((-1 + 3) / 4)  # every token weighs the same: long seq dominates
     assert seq_mean == pytest.approx((-1 + 1) / 2)  # every sequence weighs the same
     assert dr == pytest.approx((-1 + 3) / (2 * 4))  # token sum over the constant seqs x max_len
-    assert grpo_loss(lp, lp, adv, mask, agg="dr-grpo", max_len=8)[0].item() == pytest.approx(2 / 16)
+    dr_8 = grpo_loss(lp, lp, adv, mask, loss_agg="dr-grpo", max_completion_len=8)[0].item()
+    assert dr_8 == pytest.approx(2 / 16)
 
 
 def test_metrics_hand_worked():
@@ -415,8 +280,9 @@ def test_matches_naive_loop(agg, with_ref, eps_high, policy_loss, dual_clip, kl_
     adv = torch.randn(B, dtype=torch.float64)
     lengths = torch.tensor([9, 1, 4, 7, 2, 5])
     mask = torch.arange(T)[None, :] < lengths[:, None]
-    got, _ = grpo_loss(lp, old, adv, mask, ref_logprobs=ref, beta=0.05, clip_eps_high=eps_high, agg=agg,
-                       policy_loss=policy_loss, dual_clip=dual_clip, kl_estimator=kl_estimator)
+    got, _ = grpo_loss(lp, old, adv, mask, ref_logprobs=ref, beta=0.05, clip_eps_high=eps_high,
+                       loss_agg=agg, policy_loss=policy_loss, dual_clip=dual_clip,
+                       kl_estimator=kl_estimator)
     want = naive_loss(
         lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), None if ref is None else ref.tolist(),
         0.05, 0.2, eps_high or 0.2, agg, B, T, policy_loss, dual_clip, kl_estimator,
@@ -438,12 +304,13 @@ def test_micro_batches_add_up_to_the_full_batch(agg, policy_loss):
     ref = lp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.2
     adv = torch.randn(B, dtype=torch.float64)
     mask = torch.arange(T)[None, :] < torch.randint(1, T + 1, (B,))[:, None]
-    kw = dict(beta=0.04, agg=agg, policy_loss=policy_loss, dual_clip=2.0 if policy_loss == "clip" else 0.0)
+    kw = dict(beta=0.04, loss_agg=agg, policy_loss=policy_loss,
+              dual_clip=2.0 if policy_loss == "clip" else 0.0)
 
     full, _ = grpo_loss(lp, old, adv, mask, ref_logprobs=ref, **kw)
     (full_grad,) = torch.autograd.grad(full, lp)
 
-    shared = dict(num_tokens=int(mask.sum()), num_seqs=B, max_len=T)
+    shared = dict(num_tokens=int(mask.sum()), num_seqs=B, max_completion_len=T)
     total = 0.0
     for idx in ([0, 1, 2], [3], [4, 5, 6, 7]):
         part, _ = grpo_loss(lp[idx], old[idx], adv[idx], mask[idx], ref_logprobs=ref[idx], **kw, **shared)
@@ -476,7 +343,8 @@ def test_masked_positions_may_hold_minus_inf(policy_loss, kl_estimator):
 def test_fully_masked_micro_batch_gives_zero_not_nan():
     lp = torch.randn(2, 3, requires_grad=True)
     for agg in ("token-mean", "seq-mean", "dr-grpo"):
-        loss, m = grpo_loss(lp, lp.detach(), torch.ones(2), torch.zeros(2, 3), agg=agg, entropy=lp, entropy_coef=0.1)
+        loss, m = grpo_loss(lp, lp.detach(), torch.ones(2), torch.zeros(2, 3), loss_agg=agg,
+                            entropy=lp, entropy_coef=0.1)
         (g,) = torch.autograd.grad(loss, lp)
         assert loss.item() == 0.0 and g.abs().sum().item() == 0.0
         assert m["num_tokens"] == 0 and m["ratio"] == 0.0
@@ -493,7 +361,7 @@ def test_old_logprobs_are_detached():
 def test_bad_options_fail_clearly():
     lp = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="agg"):
-        grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 1), agg="sum")
+        grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 1), loss_agg="sum")
     with pytest.raises(ValueError, match="ratio_level"):
         grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 1), ratio_level="seq")
 

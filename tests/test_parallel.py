@@ -172,11 +172,16 @@ def test_padding_micro_batches_add_nothing(monkeypatch, tmp_path):
     ids, attention, mask, sampler_lp = pad_batch(rows, pad_id=0)
     advantages = torch.tensor([1.0, -1.0])
     monkeypatch.setattr(parallel, "all_max", lambda x: 3)  # another rank has 3 micro-batches; this one has 1
-    (ids, attention, mask, sampler_lp, advantages), batches = parallel.even_micro_batches(
-        (ids, attention, mask, sampler_lp, advantages), [[0, 1]])
-    assert batches == [[0, 1], [2], [2]] and ids.shape[0] == 3 and mask[2].sum() == 0 and attention[2].sum() > 0
+    tensors = dict(ids=ids, attention=attention, mask=mask, sampler_lp=sampler_lp,
+                   advantages=advantages)
+    t, batches = parallel.even_micro_batches(tensors, [[0, 1]])
+    assert batches == [[0, 1], [2], [2]] and list(t) == list(tensors)
+    assert all(len(v) == 3 and torch.equal(v[:2], tensors[k]) for k, v in t.items())
+    assert t["mask"][2].sum() == 0 and t["attention"][2].sum() > 0 and t["advantages"][2] == 0
+    ids, attention, mask, advantages = t["ids"], t["attention"], t["mask"], t["advantages"]
     lp, _ = forward_logprobs(policy, ids[[2]], attention[[2]], cfg, 1.0)
-    loss, _ = grpo_loss(lp, lp.detach(), advantages[[2]], mask[[2]], num_tokens=6, num_seqs=2, max_len=4)
+    loss, _ = grpo_loss(lp, lp.detach(), advantages[[2]], mask[[2]], num_tokens=6, num_seqs=2,
+                        max_completion_len=4)
     loss.backward()
     assert loss.item() == 0 and torch.isfinite(lp).all()
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in policy.parameters())
@@ -187,9 +192,12 @@ def test_a_rank_left_with_no_rows_still_makes_its_passes(monkeypatch):
     ids, attention, mask, sampler_lp = pad_batch([], pad_id=0)
     assert ids.shape == (0, 2)
     monkeypatch.setattr(parallel, "all_max", lambda x: 2)
-    tensors, batches = parallel.even_micro_batches((ids, attention, mask, sampler_lp, torch.zeros(0)), [])
-    assert batches == [[0], [0]] and tensors[0].shape == (1, 2) and tensors[1].tolist() == [[1, 1]]
-    assert tensors[2].sum() == 0 and tensors[4].tolist() == [0.0]
+    tensors = dict(ids=ids, attention=attention, mask=mask, sampler_lp=sampler_lp,
+                   advantages=torch.zeros(0))
+    t, batches = parallel.even_micro_batches(tensors, [])
+    assert batches == [[0], [0]] and t["ids"].shape == (1, 2)
+    assert t["attention"].tolist() == [[1, 1]]
+    assert t["mask"].sum() == 0 and t["advantages"].tolist() == [0.0]
 
 
 def test_two_ranks_match_one_process_with_mini_batches_and_batch_wide_statistics(tmp_path):
@@ -217,7 +225,8 @@ def decode_on_two_ranks(out_dir):
 
     from config import load_config
     from model import build_tiny, load_policy
-    from rollout import HFEngine, ToolEngine
+    from rollout import HFEngine
+    from tools import ToolEngine
 
     rank, _, _ = parallel.setup("cpu")
     with parallel.local_rank0_first():

@@ -189,3 +189,60 @@ def test_a_kv_cache_the_machine_cannot_give_fails(monkeypatch):
     preflight.preflight(load_config(overrides=[*cpu_vllm, "--vllm_cpu_kv_cache_gb=3"]))
     preflight.preflight(load_config(overrides=["--engine=hf", "--device=cpu",
                                                "--vllm_cpu_kv_cache_gb=4"]))
+
+
+# ---------------------------------------------------------------- the model's source, the library
+
+
+def test_missing_or_broken_model_folders_fail_clearly(tmp_path, monkeypatch):
+    from preflight import check_model_source
+
+    with pytest.raises(ConfigError, match="not found"):
+        check_model_source("./no/such/model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        check_model_source(str(tmp_path / "empty"))
+    monkeypatch.setattr(preflight, "hub_cached", lambda name: True)
+    # a hub name in the local cache is left to the loader
+    check_model_source("Qwen/Qwen2.5-3B-Instruct")
+
+
+def test_a_hub_name_that_cannot_be_fetched_is_a_config_error(monkeypatch):
+    from preflight import check_model_source
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without internet
+    fetch_it = "not in the Hugging Face cache.*hf download Qwen/Qwen2.5-3B-Instruct"
+    with pytest.raises(ConfigError, match=fetch_it):
+        check_model_source("Qwen/Qwen2.5-3B-Instruct")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    # nothing listens on the discard port: unreachable
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ConfigError, match="the hub cannot be reached"):
+        check_model_source("Qwen/Qwen2.5-3B-Instruct")
+
+
+def test_checkpointing_with_shared_prompts_needs_the_cache_switch(tmp_path, monkeypatch):
+    """Before transformers 5.15.0 a checkpointed decoder layer drops its cache argument (each prompt
+    once would then be wrong: test_perf.py); pre-flight fails with the fix, before any model
+    loads. Either setting off needs no switch."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    import grpo
+
+    # the layer class of transformers 5.14.1
+    monkeypatch.delattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
+    ckpt = load_config(overrides=["--gradient_checkpointing=true"])
+    with pytest.raises(ConfigError, match=r"shared_prompt needs transformers >= 5.15.0"):
+        preflight.check_cache_switch(ckpt)
+    with pytest.raises(ConfigError, match=r"shared_prompt needs transformers >= 5.15.0"):
+        preflight.preflight(ckpt)
+    tiny = ["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}"]
+    fix = r"--gradient_checkpointing=false or --shared_prompt=false"
+    with pytest.raises(ConfigError, match=fix):
+        grpo.prepare_run([*tiny, "--gradient_checkpointing=true"])
+    assert not os.listdir(tmp_path)  # nothing built, nothing written
+    preflight.check_cache_switch(load_config(overrides=["--gradient_checkpointing=true",
+                                                        "--shared_prompt=false"]))
+    preflight.check_cache_switch(load_config())
+    monkeypatch.undo()
+    preflight.check_cache_switch(ckpt)  # this transformers has the switch

@@ -160,7 +160,7 @@ def test_vllm_lora_merged_push_matches_the_merged_trainer(tiny, vllm_engine):
     assert trainer_gap(lora, cfg, sample(vllm_engine, prompts)) < 1e-3  # the sampler has base + B A merged
 
 
-# ---------------------------------------------------------------- tool calls (rollout.ToolEngine)
+# ---------------------------------------------------------------- tool calls (tools.ToolEngine)
 
 
 def scripted_tool(code):
@@ -177,7 +177,7 @@ def test_both_engines_take_the_same_tool_turns_and_keep_parity_over_the_models_t
     tool: both engines give the same ids, masks and turns. Sampled, with 'e' as the close (most rows write
     one soon), the sampler's logprobs of the model's tokens equal the trainer's; the tool's tokens are
     masked out of the comparison."""
-    from rollout import ToolEngine
+    from tools import ToolEngine
 
     cfg, _, tokenizer, policy, prompts = tiny
     vllm_engine.wake(push_weights_iter(policy))
@@ -199,7 +199,7 @@ def test_both_engines_take_the_same_tool_turns_and_keep_parity_over_the_models_t
 
 def test_hf_tool_rollouts_without_a_call_are_the_plain_engines(tiny):
     """With tools on and no call made, a completion is exactly the one-turn engine's: same seeds, same ids."""
-    from rollout import ToolEngine
+    from tools import ToolEngine
 
     _, _, tokenizer, policy, prompts = tiny
     engine = HFEngine(policy, tokenizer)

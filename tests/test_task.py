@@ -6,6 +6,8 @@
 import csv
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -321,6 +323,29 @@ PROBLEMS = 'def problems(split, n, seed):\n    return [{"id": f"{split}{i}", "i"
 PROMPT = 'def prompt(problem):\n    return [{"role": "user", "content": f"Count to {problem[\'i\']}:"}]\n'
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--task=poetry"], "choose a built-in task"),
+        (["--task=missing.py"], "task file missing.py not found"),
+        (["--task=math", "--math_kinds=add,integrals"],
+         r"math_kinds=\('add', 'integrals'\): choose from"),
+        (["--task=math", "--math_kinds="], r"math_kinds=\(\): choose from"),
+        (["--task=countdown", "--countdown_numbers=3,9"],
+         r"countdown_numbers=\(3, 9\): use counts from 2 to 6"),
+    ],
+)
+def test_a_task_and_its_settings_are_checked_when_it_loads(tmp_path, overrides, message):
+    """config.py knows no task: an unknown task, and a built-in task's own settings, fail in
+    load_task, which pre-flight runs before any model loads."""
+    cfg = load_config(overrides=overrides)  # a config that loads
+    with pytest.raises(ConfigError, match=message):
+        load_task(cfg)
+    with pytest.raises(ConfigError, match=message):
+        grpo.prepare_run(["--config", TINY, f"--out_dir={tmp_path}/run", *overrides])
+    assert not os.path.exists(tmp_path / "run")  # nothing built, nothing written
+
+
 def test_a_faulty_task_file_fails_in_preflight_naming_the_file_and_the_function(tmp_path):
     path = write_task(tmp_path, PROBLEMS + PROMPT)
     with pytest.raises(ConfigError, match=r"mytask.py defines no function reward\(completion, problem\)"):
@@ -528,3 +553,14 @@ def test_replay_counts_and_prints_each_planted_disagreement(tmp_path, capsys):
     assert "line 3: reward stored 0.5 != re-scored 1.0" in out
     assert "line 1:" not in out and f"replayed 3 rollouts from {path}: 2 disagreements" in out
     assert records[0]["components"]["correct"] == 1.0 and records[0]["reward"] == pytest.approx(1.1)
+    # the same from the command line: python task.py --replay FILE, exit status 1 on a disagreement
+    cli = [sys.executable, os.path.join(ROOT, "task.py"), "--replay", str(path)]
+    proc = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "line 2: correct stored 1.0 != re-scored 0.0" in proc.stdout
+    assert f"replayed 3 rollouts from {path}: 2 disagreements" in proc.stdout
+    path.write_text(json.dumps(records[0]) + "\n")
+    agreed = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert agreed.returncode == 0 and "1 rollouts" in agreed.stdout
+    usage = subprocess.run(cli[:2], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert usage.returncode == 1 and "usage: python task.py --replay" in usage.stderr

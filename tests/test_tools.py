@@ -14,8 +14,9 @@ from grpo import forward_logprobs, pad_batch
 from loss import grpo_loss
 from model import build_tiny, load_policy
 from rewards import code_reward
-from rollout import TOOL_OUTPUT, Completion, ToolEngine, turn_seed
+from rollout import Completion
 from sandbox import run_python
+from tools import TOOL_OUTPUT, ToolEngine, turn_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
