@@ -241,15 +241,15 @@ def decode_on_two_ranks(out_dir):
              ([], []) if rank == 0 else (prompts, [4, 2])]  # rank 0 has nothing: a dummy row
     got, want = [], []
     for rank_prompts, budgets in calls:
-        seeds = list(range(len(rank_prompts)))
+        seeds = list(range(2 * len(rank_prompts)))  # one a row
         for engine, into in ((synced, got), (alone, want)):
             groups = engine.generate(rank_prompts, 2, seeds=seeds, max_tokens=budgets, **sampling)
             into.append([[c.completion_ids, c.logprobs] for g in groups for c in g])
     tool_prompts = prompts if rank == 0 else []  # rank 1: no live row from the first turn on
     for engine, into in ((synced, got), (alone, want)):
         tools = ToolEngine(engine, tokenizer, 2, lambda code: ("7 7 7", True), tags=("", "e"))
-        groups = tools.generate(tool_prompts, 2, seeds=[0, 1][: len(tool_prompts)], max_tokens=24,
-                                **sampling)
+        seeds = list(range(2 * len(tool_prompts)))
+        groups = tools.generate(tool_prompts, 2, seeds=seeds, max_tokens=24, **sampling)
         into.append([[c.completion_ids, c.mask, c.tool_calls] for g in groups for c in g])
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"got": got, "want": want}, f)

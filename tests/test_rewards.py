@@ -439,7 +439,7 @@ def test_last_number_reads_thousands_separators_whole():
 
 
 def test_after_tool_outputs_keeps_only_the_models_text_after_the_last_output():
-    from rollout import TOOL_OUTPUT
+    from tools import TOOL_OUTPUT
 
     out = TOOL_OUTPUT.format("42")
     assert out.startswith("\n<output>\n") and out.endswith("\n</output>\n")  # the tags it looks for
