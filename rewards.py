@@ -216,6 +216,12 @@ UNIT_WORDS = re.compile(r"(?<=[\d}%])\s+[A-Za-z]{2,}(?:\s+[A-Za-z]{2,}){0,2}\.?"
                         r"(?:\^\{?[23]\}?)?\s*$")
 
 
+def _restated(given):
+    """W4: True if what the answer ends on is an operation left undone: "13 + 14" restates "What is
+    13 + 14?" (equal to 27, and no answer), "x = 13 + 14" too; "13 + 14 = 27" answers."""
+    return bool(RESTATED.search(LAST_EQUALS.split(given)[-1]))
+
+
 def _compact(s):
     """s as the copied-question check compares it: no spaces or $, one spelling of \\frac."""
     return re.sub(r"\s|\$|\\left|\\right|\\!|\\,|(?<=\\)[dt](?=frac)", "", s)
@@ -340,8 +346,8 @@ def _judge(given, gold):
 
     golds = _parse_gold(gold)
     numeric = any(is_atomic_or_pct_atomic(g, Number) for g in golds)  # 27, 0.5, 50%
-    if numeric and RESTATED.search(LAST_EQUALS.split(given)[-1]):
-        return None  # W4: "13 + 14" restates "What is 13 + 14?": equal, and no answer
+    if numeric and _restated(given):
+        return None
     if numeric:
         given = UNIT_WORDS.sub("", given)
     # the answer is the box's content (or the tag's) already: math-verify reads it as a box
@@ -378,6 +384,8 @@ def math_equal(given, answer, question="", timeout=MATH_TIMEOUT):
     want, got = as_fraction(gold), as_fraction(given)
     if want is not None and got is not None:
         return got == want and (in_lowest_terms(given) or not in_lowest_terms(gold))
+    if want is not None and (not re.search(r"[\d\\]", given) or _restated(given)):
+        return None  # at once: no number at all ("...", "x"), or an operation left undone
     if got is None and _copied(given, question):
         return None
     if "math_verify" not in sys.modules:
