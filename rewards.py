@@ -118,6 +118,10 @@ def countdown_reward(text, numbers, target):
 
 # ---------------------------------------------------------------- math (W1)
 
+# math-verify warns, once per process, that its own (signal.alarm) timeouts are off; a reward worker
+# is a new process every batch, and _within bounds each check instead
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
 MATH_TIMEOUT = 5.0  # s for one answer's whole check (both parses, the comparison); past it, wrong
 MAX_BITS = 1 << 16  # an answer whose numbers may grow past 2**MAX_BITS is wrong, uncompared
 
@@ -259,9 +263,11 @@ def _within(seconds, fn, *args):
     start = time.monotonic()
     old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        return fn(*args)
+        try:
+            return fn(*args)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # if it fires first, it raises here, spent
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
         if old_delay:  # the caller's own timer, less the time spent here (already due: at once)
             left = max(1e-6, old_delay - (time.monotonic() - start))
@@ -323,7 +329,8 @@ def _parse_gold(gold):
     meant."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    if "\\" not in gold and "$" not in gold:  # plain text: "pi/2", "x**2" (sqrt(2) math-verify reads)
+    # plain text: "pi/2", "x**2" (math-verify reads sqrt(2) itself)
+    if "\\" not in gold and "$" not in gold:
         gold = re.sub(r"\bpi\b", r"\\pi", gold).replace("**", "^")
     text = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
     # a gold that is a whole solution is read by its box first, as a completion is
@@ -409,8 +416,6 @@ def warm_math_verify():
     configure calls this, so the reward workers forked for every batch inherit it all; else each
     worker's first check pays it.
     """
-    # math-verify warns once per process that its signal.alarm timeouts are off: _within bounds it
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
     for given, gold in WARM_UP:
         _judge(given, gold)
 

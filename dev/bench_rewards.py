@@ -40,10 +40,10 @@ def timed(fn, repeats):
 
 
 def rewards_at(rev):
-    """rewards.py as it was at git revision `rev`, imported as a module of its own (None if git lacks it)."""
+    """rewards.py at git revision `rev`, imported as a module of its own (None if git lacks it)."""
     try:
-        source = subprocess.run(["git", "show", f"{rev}:rewards.py"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout
+        source = subprocess.run(["git", "show", f"{rev}:rewards.py"], cwd=ROOT, capture_output=True,
+                                text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     path = os.path.join(tempfile.mkdtemp(), "rewards_before.py")
@@ -76,7 +76,7 @@ def countdown():
 
 
 def default_run_step():
-    """64 completions as the default run writes them (README): 8 sums x 8 styles, right and wrong."""
+    """64 completions as the default run writes them (README): 8 sums x 8 styles."""
     texts, problems = [], []
     for p in math_problems("train", 8, seed=0, kinds=("add",), max_number=25):
         q, s = p["question"], int(p["answer"])
@@ -85,59 +85,64 @@ def default_run_step():
                   f"{a} + {b} = {s + 1}\n\nThe final answer is \\boxed{{{s + 1}}}.",
                   f"{a} + {b} = {s}",  # seed 2: the bare sum, judged by its last number
                   f"<think>{a} plus {b}</think><answer>\\boxed{{{s}}}</answer>",
-                  "<think> ... </think><answer>\\boxed{...}</answer>",  # the prompt's example, copied
+                  "<think> ... </think><answer>\\boxed{...}</answer>",  # the prompt's example
                   f"<answer>\\boxed{{{a} + {b}}}</answer>",  # the question, restated
-                  f"So the answer is {s} apples, since we add the two numbers together to get the total.",
-                  "Let me think about this step by step. First I add the ones, then the tens, and so on."]
+                  f"So the answer is {s} apples, since we add the two numbers to get the total.",
+                  "Let me think about this step by step. First I add the ones, then the tens."]
         problems += [p] * 8
     return texts, problems
 
 
-def math_speed(before):
-    """Per call on each path, and per step of the default run, before and after."""
-    warm_math_verify()
-    versions = [("before", before.math_reward), ("after", math_reward)] if before else [("after", math_reward)]
-    calls = [("plain number, right", "<think>w</think><answer>\\boxed{27}</answer>", "27", 2000),
-             ("plain number, wrong", "<think>w</think><answer>\\boxed{26}</answer>", "27", 2000),
-             ("restated sum", "<think>w</think><answer>\\boxed{13 + 14}</answer>", "27", 2000),
+def boxed(answer):
+    return f"<think>w</think><answer>\\boxed{{{answer}}}</answer>"
+
+
+def math_speed(versions):
+    """Per call on each path, and per step of the default run."""
+    calls = [("plain number, right", boxed("27"), "27", 2000),
+             ("plain number, wrong", boxed("26"), "27", 2000),
+             ("restated sum", boxed("13 + 14"), "27", 2000),
              ("last number", "13 + 14 = 27", "27", 2000),
-             ("fraction", "<think>w</think><answer>\\boxed{\\frac{3}{4}}</answer>", "0.75", 2000),
-             ("symbolic (sympy / math-verify)", "<think>w</think><answer>\\boxed{x^2+2x+1}</answer>", "(x+1)^2", 10)]
+             ("fraction", boxed("\\frac{3}{4}"), "0.75", 2000),
+             ("symbolic (sympy / math-verify)", boxed("x^2+2x+1"), "(x+1)^2", 10)]
     for label, text, gold, repeats in calls:
         row = "  ".join(f"{name} {timed(lambda: fn(text, gold, True), repeats) * 1e6:9.0f} us"
                         for name, fn in versions)
         print(f"math per call, {label:31}: {row}")
     texts, problems = default_run_step()
     lengths = [len(t) // 4 for t in texts]
-    # taken in turns, so a busy machine slows both alike; "none": a reward that only returns, the
+    # taken in turns, so a busy machine slows all alike; "none": a reward that only returns, the
     # cost of the worker itself (fork, pipe)
-    versions += [("none", lambda text, answer, last_number: {"correct": 0.0})]
-    for timeout, where in ((0, "in this process"), (10.0, "in a reward worker (reward_timeout=10)")):
+    versions = [*versions, ("none", lambda text, answer, last_number: {"correct": 0.0})]
+    for timeout, where in ((0, "in this process"), (10.0, "in a reward worker (timeout 10 s)")):
         times = {name: [] for name, _ in versions}
         for _ in range(15):
             for name, fn in versions:
                 start = time.perf_counter()
-                results = run_rewards(lambda text, p: fn(text, p["answer"], True), texts, problems, timeout)
+                results = run_rewards(lambda text, p: fn(text, p["answer"], True), texts, problems,
+                                      timeout)
                 score_batch(results, lengths)
                 times[name].append(time.perf_counter() - start)
         row = "  ".join(f"{name} {statistics.median(t) * 1e3:6.2f} ms" for name, t in times.items())
         print(f"math per step (64 completions of the default run), {where}: {row}")
-    right = "  ".join(f"{name} {sum(fn(t, p['answer'], True)['correct'] for t, p in zip(texts, problems)):.0f}"
-                      for name, fn in versions[:-1])
-    print(f"math per step, right answers of the 64: {right}")
+    right = {name: sum(fn(t, p["answer"], True)["correct"] for t, p in zip(texts, problems))
+             for name, fn in versions[:-1]}
+    counts = "  ".join(f"{name} {n:.0f}" for name, n in right.items())
+    print(f"math per step, right answers of the 64: {counts}")
 
 
-def suite_agreement(before):
-    """Agreement with math-verify's own verdicts on its boxed regression cases, in a run's reward worker."""
+def suite_agreement(versions):
+    """Agreement with math-verify's own verdicts on its boxed regression cases."""
     with open(os.path.join(ROOT, "tests", "math_verify_cases.json")) as f:
         cases = json.load(f)["cases"]
     texts, golds = [c["completion"] for c in cases], [{"answer": c["gold"]} for c in cases]
-    versions = [("before", before.math_reward), ("after", math_reward)] if before else [("after", math_reward)]
     for name, fn in versions:
         for timeout, where in ((0, "in this process"), (10.0, "in a reward worker")):
             start = time.perf_counter()
-            results = run_rewards(lambda text, p: fn(text, p["answer"]), texts, golds, timeout, quiet=True)
-            agree = sum(isinstance(r, dict) and r["correct"] == c["math_verify"] for r, c in zip(results, cases))
+            results = run_rewards(lambda text, p: fn(text, p["answer"]), texts, golds, timeout,
+                                  quiet=True)
+            agree = sum(isinstance(r, dict) and r["correct"] == c["math_verify"]
+                        for r, c in zip(results, cases))
             errors = sum(isinstance(r, str) for r in results)
             print(f"math-verify's suite, {name:6}, {where:18}: agrees on {agree}/{len(cases)}, "
                   f"{errors} errors, {time.perf_counter() - start:.1f} s")
@@ -145,15 +150,17 @@ def suite_agreement(before):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--before", default=BEFORE, help="git revision of the rewards.py to compare the math "
-                        "verifier with ('' = none)")
+    parser.add_argument("--before", default=BEFORE, help="git revision of the rewards.py whose "
+                        "math verifier to measure beside this one ('' = none)")
     args = parser.parse_args()
     before = rewards_at(args.before) if args.before else None
     if args.before and before is None:
         print(f"(no rewards.py at git revision {args.before}: the math verifier is measured alone)")
     countdown()
-    math_speed(before)
-    suite_agreement(before)
+    warm_math_verify()
+    versions = [("before", before.math_reward)] * (before is not None) + [("after", math_reward)]
+    math_speed(versions)
+    suite_agreement(versions)
     code = "<think>w</think><answer>```python\ndef add(a, b):\n    return a + b\n```</answer>"
     tests = ["assert add(1, 2) == 3", {"call": "add(2, 3)", "expected": 5}]
     code_reward(code, tests)  # the first call probes the sandbox once

@@ -30,10 +30,10 @@ def prompt(problem):
 
 
 def reward(completion, problem):
-    # math_reward reads the answer after ####; with tools on, only the model's own text after the last
-    # tool output can answer (rewards.after_tool_outputs)
-    return math_reward(completion, problem["answer"], last_number=True, tools=SETTINGS.get("tools", False),
-                       question=problem["question"])
+    # math_reward reads the answer after ####; with tools on, only the model's own text after the
+    # last tool output can answer (rewards.after_tool_outputs)
+    return math_reward(completion, problem["answer"], last_number=True,
+                       tools=SETTINGS.get("tools", False), question=problem["question"])
 
 
 def check(problem):

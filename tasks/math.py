@@ -2,8 +2,8 @@
 
 Generated locally (data/arith.py: addition by default, math_kinds for more); the answer is judged by
 rewards.math_reward: the last \\boxed{} or <answer>, or with math_last_number the text's last number; with
-tools on, looked for only in what the model wrote after the last tool output. Plain numbers are compared
-exactly, anything else by math-verify under the project's guards (rewards.math_equal).
+tools on, looked for only in what the model wrote after the last tool output. Plain numbers are
+compared exactly, anything else by math-verify under the project's guards (rewards.math_equal).
 A dataset row works too (tasks/dataset.py): "question" gets this prompt's instructions, "prompt" is
 used as it is, and a GSM8K answer ("... #### 72") is judged by what follows ####.
 """

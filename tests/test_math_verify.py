@@ -3,6 +3,7 @@ reward workers a run uses, in time, in any thread.   pytest tests/test_math_veri
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def test_the_guards_on_fractions_and_decimals_overrule_math_verify():
 
 
 def test_the_examples_score_the_same_inside_a_runs_reward_workers(tmp_path):
-    # the path a run takes: the task file's reward, in forked workers, under the default reward_timeout
+    # the path a run takes: the task file's reward, in forked workers, the default reward_timeout
     cfg = load_config(overrides=["--task=math", "--reward_workers=2"])
     assert cfg.reward_timeout > 0
     task = load_task(cfg)
@@ -108,30 +109,33 @@ def test_the_examples_score_the_same_inside_a_runs_reward_workers(tmp_path):
 
 
 def test_a_symbolic_answer_is_right_in_a_daemonic_reward_worker():
-    # the old verifier started a sympy child from the reward: in a run's (daemonic) worker that raised
-    # "daemonic processes are not allowed to have children", so 1+x for x+1 scored 0 as an error
+    # the old verifier started a sympy child from the reward: in a run's (daemonic) worker that
+    # raised "daemonic processes are not allowed to have children": 1+x for x+1 scored 0, an error
     cfg = load_config(overrides=["--task=math"])
     task = load_task(cfg)
     problem = {"question": "Simplify (x^2 - 1)/(x - 1).", "answer": "x+1"}
-    got = run_rewards(task.reward, [M("1+x"), M("x+2")], [problem] * 2, cfg.reward_timeout)
-    assert got == [RIGHT, {"format": 1.0, "parsed": 1.0, "correct": 0.0}]
+    texts = [M("1+x"), M("x+2"), M("9^{9^{9^{9}}}")]
+    want = [RIGHT] + [{"format": 1.0, "parsed": 1.0, "correct": 0.0}] * 2
+    assert run_rewards(task.reward, texts, [problem] * 3, cfg.reward_timeout) == want
+    assert run_rewards(task.reward, texts, [problem] * 3, 0) == want  # in-process: reward_timeout=0
 
 
 def test_gsm8k_judges_with_the_same_verifier_and_after_the_last_tool_output(tmp_path):
     path = tmp_path / "gsm8k.jsonl"
-    path.write_text(json.dumps({"question": "How much?", "answer": "9 * 2 = 18\n#### 1,018"}) + "\n")
+    problem = {"question": "How much?", "answer": "9 * 2 = 18\n#### 1,018"}
+    path.write_text(json.dumps(problem) + "\n")
     cfg = load_config(overrides=["--task=gsm8k", f"--data_path={path}"])
     task = load_task(cfg)
-    problem = {"question": "How much?", "answer": "9 * 2 = 18\n#### 1,018"}
-    texts = [M("\\$1,018"), M("1018 dollars"), "<think>w</think><answer>1018</answer>", "so it is 1,018",
-             M("1,017"), M("1000 + 18")]
+    texts = [M("\\$1,018"), M("1018 dollars"), "<think>w</think><answer>1018</answer>",
+             "so it is 1,018", M("1,017"), M("1000 + 18")]
     got = [c["correct"] for c in run_rewards(task.reward, texts, [problem] * 6, cfg.reward_timeout)]
     assert got == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
     from tools import TOOL_OUTPUT
 
     # the tool printed the box; the model wrote no answer of its own after it
-    tool_text = "<think>let me run it" + TOOL_OUTPUT.format("\\boxed{1018}") + "</think> as printed."
-    assert run_rewards(task.reward, [tool_text], [problem], 0)[0]["correct"] == 1.0  # tools off: all text
+    tool_text = "<think>let me run" + TOOL_OUTPUT.format("\\boxed{1018}") + "</think> as printed."
+    # tools off: all the text is the model's
+    assert run_rewards(task.reward, [tool_text], [problem], 0)[0]["correct"] == 1.0
     cfg = load_config(overrides=["--task=gsm8k", f"--data_path={path}", "--tools=True"])
     task = load_task(cfg)
     assert run_rewards(task.reward, [tool_text], [problem], 0)[0]["correct"] == 0.0
@@ -153,13 +157,14 @@ def test_the_suite_case(case):
     assert math_reward(case["completion"], case["gold"])["correct"] == case["ours"]
 
 
-# ---------------------------------------------------------------- the guards win where math-verify disagrees
+# ---------------------------------------------------------------- the guards win over math-verify
 
 
 def test_a_restated_operation_earns_nothing():
     # W4: "13 + 14" restates "What is 13 + 14?"; math-verify finds it equal to 27
     assert mv("13 + 14", "27") and mv("\\sqrt{4}", "2") and mv("27=13+14", "27")
-    for restated in ["13 + 14", "14+13", "30 - 3", "3 \\cdot 9", "\\sqrt{729}", "27=13+14", "3!+21"]:
+    for restated in ["13 + 14", "14+13", "30 - 3", "3 \\cdot 9", "\\sqrt{729}", "27=13+14",
+                     "3!+21"]:
         assert math_reward(M(restated), "27") == NOTHING, restated
     assert math_reward(M("13 + 14 = 27"), "27") == RIGHT  # worked, then answered
     assert math_reward(M("x"), "27") == NOTHING  # a numeric gold needs a number
@@ -194,15 +199,15 @@ def test_an_answer_past_the_length_cap_earns_nothing():
 
 def test_huge_numbers_are_wrong_at_once():
     # 9^{9^{9^9}} needs a C-level integer power no deadline can stop: refused before sympy sees it
-    for huge in ["9^{9^{9^{9}}}", "10^{10^{10}}", "(10^{100})!", "\\binom{10^{9}}{10^{5}}", "2^{2^{2^{2^{2^{2}}}}}",
-                 "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}^{100000}"]:
+    for huge in ["9^{9^{9^{9}}}", "10^{10^{10}}", "(10^{100})!", "\\binom{10^{9}}{10^{5}}",
+                 "2^{2^{2^{2^{2^{2}}}}}", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}^{100000}"]:
         start = time.perf_counter()
         assert math_reward(M(huge), "x")["correct"] == 0.0, huge
         assert time.perf_counter() - start < 2.0, huge
     assert math_reward(M("2^{2023}"), "2^{2023}") == RIGHT  # a big answer still counts
 
 
-# ---------------------------------------------------------------- time: in process, in threads, under alarms
+# ---------------------------------------------------------------- time: in process, in threads
 
 NESTED = "{" * 100 + "1" + "}" * 100  # ~10 s of parsing without a deadline
 
@@ -249,27 +254,49 @@ def test_the_callers_own_alarm_survives_a_check():
 
 
 def test_the_first_check_in_a_fresh_process_is_right_under_a_short_deadline():
-    # the first check imports math-verify and sympy's parts (seconds); under the deadline that import
-    # would be cut short and the answer scored wrong (and the next few with it)
+    # the first check imports math-verify and sympy's parts (seconds); under the deadline that
+    # import would be cut short and the answer scored wrong (and the next few with it)
     code = "import rewards; print(rewards.math_equal('1+x', 'x+1', timeout=0.5))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
     assert out.stdout.split() == ["True"], out.stderr
 
 
 # ---------------------------------------------------------------- nothing raises or hangs
 
-LATEX = st.sampled_from(["\\boxed{", "{", "}", "(", ")", "[", "]", "^", "_", "!", "-", "+", "*", "/", "=", ",", " ",
-                         "\\frac", "\\sqrt", "\\pi", "\\infty", "\\cup", "\\in", "\\{", "\\}", "\\%", "\\$", "x",
-                         "\\text{", "\\sum_{", "\\int", "\\lim", "\\binom", "\\\\", "&", "\\begin{pmatrix}",
-                         "\\end{pmatrix}", "10^{", "9^", "99999999", "0", "1", "7", ".", "e", "i", "\\left(",
-                         "\\right)", "\\cdot", "<", "\\le", "|", ";", "__import__", "</answer>", "<think>", "９"])
-GOLDS = st.sampled_from(["27", "x+1", "(1,2)", "\\frac12", "[0,1)", "\\{1,2\\}", "C", "2\\pi", "#### 1,000"])
+# the pieces of LaTeX and of the layout that answers are made of, and a space
+TOKENS = [" "] + r"""\boxed{ { } ( ) [ ] ^ _ ! - + * / = , \frac \sqrt \pi \infty \cup \in
+\{ \} \% \$ x \text{ \sum_{ \int \lim \binom \\ & \begin{pmatrix} \end{pmatrix} 10^{ 9^ 99999999
+0 1 7 . e i \left( \right) \cdot < \le | ; __import__ </answer> <think> ９""".split()
+GOLDS = ["27", "x+1", "(1,2)", "\\frac12", "[0,1)", "\\{1,2\\}", "C", "2\\pi", "#### 1,000"]
+
+
+def test_random_answers_off_the_main_thread_never_raise_or_hang():
+    rng = random.Random(0)
+    answers = ["".join(rng.choice(TOKENS) for _ in range(rng.randint(1, 40))) for _ in range(40)]
+    results = []
+
+    def check():
+        for answer in answers:
+            start = time.perf_counter()
+            got = math_reward(M(answer), rng.choice(GOLDS))
+            in_time = time.perf_counter() - start < MATH_TIMEOUT + 2
+            results.append((set(got.values()) <= {0.0, 1.0}, in_time))
+
+    thread = threading.Thread(target=check)
+    thread.start()
+    thread.join(300)
+    assert results == [(True, True)] * len(answers)
+
+
+ANSWERS = st.lists(st.sampled_from(TOKENS), max_size=60).map("".join)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.one_of(st.text(max_size=200), st.lists(LATEX, max_size=60).map("".join)), GOLDS)
+@given(st.one_of(st.text(max_size=200), ANSWERS), st.sampled_from(GOLDS))
 def test_random_answers_never_raise_or_hang(answer, gold):
     start = time.perf_counter()
     got = math_reward(M(answer), gold, question="What is 13 + 14?")
-    assert set(got) == {"format", "parsed", "correct"} and all(v in (0.0, 1.0) for v in got.values())
+    assert set(got) == {"format", "parsed", "correct"}
+    assert all(v in (0.0, 1.0) for v in got.values())
     assert time.perf_counter() - start < MATH_TIMEOUT + 2.0
