@@ -9,6 +9,7 @@ the completion's final answer (its \\boxed{} or <answer>, else its last number) 
 with tools on, only what the model wrote after the last tool output can answer.
 """
 
+from config import ConfigError
 from rewards import math_reward, warm_math_verify
 
 PROMPT = (
@@ -22,7 +23,11 @@ SETTINGS = {}
 
 def configure(cfg):
     SETTINGS.update(tools=cfg.tools)
-    warm_math_verify()  # here, once: the reward workers forked for every batch inherit it
+    try:
+        warm_math_verify()  # here, once: the reward workers forked for every batch inherit it
+    except ImportError as e:
+        raise ConfigError(f"task={cfg.task}: the math verifier needs math-verify ({e}); "
+                          "pip install 'math-verify[antlr4_13_2]==0.9.0' (requirements.txt)") from None
 
 
 def prompt(problem):

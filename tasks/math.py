@@ -26,7 +26,11 @@ def configure(cfg):
         raise ConfigError(f"math_kinds={cfg.math_kinds}: choose from {tuple(KINDS)}")
     SETTINGS.update(kinds=cfg.math_kinds, max_number=cfg.math_max_number, last_number=cfg.math_last_number,
                     tools=cfg.tools)
-    warm_math_verify()  # here, once: the reward workers forked for every batch inherit it
+    try:
+        warm_math_verify()  # here, once: the reward workers forked for every batch inherit it
+    except ImportError as e:
+        raise ConfigError(f"task={cfg.task}: the math verifier needs math-verify ({e}); "
+                          "pip install 'math-verify[antlr4_13_2]==0.9.0' (requirements.txt)") from None
 
 
 def problems(split, n, seed):

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from math_verify import parse, verify
 
-from config import load_config
+from config import ConfigError, load_config
 from rewards import MATH_TIMEOUT, math_equal, math_reward
 from task import load_task, run_rewards, score
 
@@ -139,6 +139,15 @@ def test_gsm8k_judges_with_the_same_verifier_and_after_the_last_tool_output(tmp_
     cfg = load_config(overrides=["--task=gsm8k", f"--data_path={path}", "--tools=True"])
     task = load_task(cfg)
     assert run_rewards(task.reward, [tool_text], [problem], 0)[0]["correct"] == 0.0
+
+
+@pytest.mark.parametrize("task", ["math", "gsm8k"])
+def test_without_math_verify_the_task_fails_before_a_model_loads(tmp_path, monkeypatch, task):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if not installed
+    data = [f"--data_path={tmp_path}"] if task == "gsm8k" else []  # gsm8k's problems: a dataset's
+    cfg = load_config(overrides=[f"--task={task}", *data])
+    with pytest.raises(ConfigError, match=r"pip install 'math-verify\[antlr4_13_2\]==0.9.0'"):
+        load_task(cfg)
 
 
 # ---------------------------------------------------------------- a public regression suite
