@@ -298,7 +298,7 @@ def _bits(x):
         return int(x.p).bit_length() + int(x.q).bit_length()
     if x.is_Float:
         return int(abs(x)).bit_length() + 53
-    args = [_bits(a) for a in x.args if isinstance(a, sympy.Basic)] or [1]
+    args = [_bits(a) for a in x.args if isinstance(a, sympy.Basic)] or [0]  # x, pi: no number
     if isinstance(x, (sympy.Pow, sympy.MatPow)) and not x.args[1].free_symbols:
         base, exponent = args
         if x.args[1].is_Number:
