@@ -3,8 +3,9 @@
 A policy finds every hole in a reward, so every verifier here assumes adversarial input: answers
 are found with str.rfind (no regex that can backtrack for minutes on 100 KB of tags), Countdown
 expressions are parsed with `ast` and evaluated by our own 15-line tree walk (never `eval`),
-sympy runs in a child process with a deadline, and code runs in the sandbox (sandbox.py), which
-never sees a test's expected values.
+math answers are judged by math-verify (LaTeX to sympy, no `eval`) under a deadline and this
+project's guards, in-process, and code runs in the sandbox (sandbox.py), which never sees a
+test's expected values.
 
 Per completion, each verifier returns a dict of components, all floats:
     format   1.0 if the text is exactly <think>...</think><answer>...</answer> with a non-empty answer (W2)
@@ -19,9 +20,12 @@ components into one shaped reward per completion (W2-W3), whatever the task.
 import ast
 import builtins
 import json
+import logging
 import math
-import multiprocessing
 import re
+import signal
+import sys
+import time
 from fractions import Fraction
 
 import torch
@@ -114,6 +118,13 @@ def countdown_reward(text, numbers, target):
 
 # ---------------------------------------------------------------- math (W1)
 
+# math-verify warns, once per process, that its own (signal.alarm) timeouts are off; a reward worker
+# is a new process every batch, and _within bounds each check instead
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+MATH_TIMEOUT = 5.0  # s for one answer's whole check (both parses, the comparison); past it, wrong
+MAX_BITS = 1 << 16  # an answer whose numbers may grow past 2**MAX_BITS is wrong, uncompared
+
 
 def last_boxed(text):
     """Content of the last \\boxed{...} with balanced braces, or None (unbalanced counts as none)."""
@@ -133,44 +144,43 @@ def last_boxed(text):
     return None
 
 
-LATEX_REPLACEMENTS = [
-    (r"\\[dt]frac", r"\\frac"), (r"\\left|\\right|\\!|\\,|\\;|\$", ""), (r"\\text\{[^{}]*\}", ""),
-    (r"\\cdot|\\times", "*"), (r"\\pi", "pi"), (r"\^", "**"), (r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)"),
-]
+# A plain number: 27, -0.25, 1,000 (commas only in threes), 7/2, \frac{7}{2}, \dfrac72
+DECIMAL = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+FRACTION = re.compile(r"(-?)(?:(-?\d+)/(-?\d+)"
+                      r"|\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}|\\[dt]?frac(\d)(\d))")
 
 
-def normalize_math(s):
-    """LaTeX-ish answer -> a plain expression string: '\\frac{1}{2}' -> '(1)/(2)', '1,000' -> '1000'."""
-    s = s.strip().rstrip(".")
-    for pattern, repl in LATEX_REPLACEMENTS:
-        s = re.sub(pattern, repl, s)
-    while "\\frac{" in s:  # innermost first: \frac{a}{b} with brace-free a and b
-        new = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
-        if new == s:
-            break
-        s = new
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
-        s = s.replace(",", "")
-    s = s.replace(" ", "")
-    return re.sub(r"(?<=[\d)])(?=[a-z(])", "*", s)  # implicit products: 2x -> 2*x, (a)(b) -> (a)*(b)
+def _plain(s):
+    """s without what never changes a plain number: $, \\text{}, spaces, \\! and \\, (LaTeX's thin
+    spaces, as in 32,\\!349), {,} (a grouped comma: 14{,}916) and a full stop at the end. A space
+    after a comma stays: "32, 349" is a list of two numbers."""
+    s = re.sub(r"\\(?:text|textbf|mathbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)  # \textbf{27}
+    s = re.sub(r"\\[!,;]\s*|\\?\$", "", s.replace("{,}", ","))
+    return re.sub(r"(?<!,)\s+", "", s).rstrip(".")
+
+
+def _fraction_parts(s):
+    """(numerator, denominator) of a plain fraction ('7/2', '\\frac{9}{4}', '\\frac12'), or None."""
+    m = FRACTION.fullmatch(_plain(s))
+    if not m:
+        return None
+    num, den = (int(g) for g in m.groups()[1:] if g is not None)
+    return (-num if m.group(1) else num), den
 
 
 def as_fraction(s):
-    """'3', '-0.25', '(1)/(2)', '-(9)/(4)', '7/2' -> Fraction, else None: a plain number, exactly."""
-    m = re.fullmatch(r"(-?)\(?(-?\d+(?:\.\d+)?)\)?(?:/\(?(-?\d+(?:\.\d+)?)\)?)?", s)
-    if not m:
-        return None
-    num, den = Fraction(m.group(2)), Fraction(m.group(3) or 1)
-    return (-1 if m.group(1) else 1) * num / den if den else None
+    """A plain number as written ('27', '-0.25', '1,000', '7/2', '\\frac{1}{2}', '$5$', '5.') ->
+    Fraction, exactly; else None."""
+    if DECIMAL.fullmatch(_plain(s)):
+        return Fraction(_plain(s).replace(",", ""))
+    parts = _fraction_parts(s)
+    return Fraction(*parts) if parts and parts[1] else None
 
 
 def in_lowest_terms(s):
-    """False for a normalised fraction of whole numbers that can be reduced ('(4)/(6)', '8/4', '3/1'); else True."""
-    m = re.fullmatch(r"-?\(?(-?\d+)\)?/\(?(-?\d+)\)?", s)
-    if not m:
-        return True  # a whole number or a decimal
-    num, den = int(m.group(1)), int(m.group(2))
-    return math.gcd(num, den) == 1 and abs(den) != 1
+    """False for a plain fraction that can be reduced ('4/6', '\\frac{8}{4}', '3/1'); else True."""
+    parts = _fraction_parts(s)
+    return parts is None or (math.gcd(*parts) == 1 and abs(parts[1]) != 1)
 
 
 def before_unclosed_think(text):
@@ -198,46 +208,226 @@ def after_tool_outputs(text, tags=("<output>", "</output>")):
 # a number, with thousands separators read whole ("1,234" is 1234, not 234)
 LAST_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
 
-SYMPY_NAMES = {"sqrt", "pi", "x", "y", "z", "n", "a", "b", "c", "k"}
+# An operation left undone, in what follows an answer's last "=": a sum, a difference, a product, a
+# quotient sign, a root, a factorial, a sum or integral sign. Not a power (2^{10} and 10^3 are how
+# people write numbers), nor x 10^k (scientific notation), nor a fraction (lowest terms decide).
+RESTATED = re.compile(r"[+÷!]|(?<=[\w)}\]])\s*-|(?:\*|×|\\cdot|\\times)(?!\s*10\s*\^)"
+                      r"|\\(?:div|sqrt|sum|prod|int|lim|binom|choose)")
+LAST_EQUALS = re.compile(r"(?<![<>!\\])=")
+# a unit or currency word after a number: "18 dollars", "12 square feet" (LaTeX's \text{cm} and the
+# units math-verify knows it drops itself)
+UNIT_WORDS = re.compile(r"(?<=[\d}%])\s+[A-Za-z]{2,}(?:\s+[A-Za-z]{2,}){0,2}\.?"
+                        r"(?:\^\{?[23]\}?)?\s*$")
 
 
-def _sympy_equal(a, b, conn):
-    """Child process: send whether a - b simplifies to 0."""
+def _restated(given):
+    """W4: True if what the answer ends on is an operation left undone: "13 + 14" restates "What is
+    13 + 14?" (equal to 27, and no answer), "x = 13 + 14" too; "13 + 14 = 27" answers."""
+    return bool(RESTATED.search(LAST_EQUALS.split(given)[-1]))
+
+
+def _compact(s):
+    """s as the copied-question check compares it: no spaces or $, one spelling of \\frac."""
+    return re.sub(r"\s|\$|\\left|\\right|\\!|\\,|(?<=\\)[dt](?=frac)", "", s)
+
+
+def _copied(given, question):
+    """True if the answer is an expression (not a lone number or name) that the question holds word
+    for word: 'Simplify $\\sqrt{50}$' is not answered by \\sqrt{50}, though the two are equal."""
+    got = _compact(given)
+    return bool(re.search(r"[-+*/^=<>\\]", got)) and got in _compact(question)
+
+
+class _OutOfTime(BaseException):
+    """Raised inside a check past its deadline. A BaseException: math-verify and sympy catch
+    Exception everywhere, and must not swallow it."""
+
+
+def _out_of_time(*_):
+    raise _OutOfTime
+
+
+def _within(seconds, fn, *args):
+    """fn(*args), or _OutOfTime once `seconds` have passed. Neither way can stop one long C call (a
+    huge integer power): _too_big keeps those out.
+
+    In the main thread (a reward worker's, or reward_timeout=0) a SIGALRM timer, free while it runs;
+    a timer the caller had set (pytest-timeout, its own alarm) is put back after. Elsewhere, where
+    signals cannot go (and where math-verify's own signal.alarm timeouts raise), a trace function
+    that checks the clock at every Python call: 3-4x slower, so only there.
+    """
+    try:
+        old_handler = signal.signal(signal.SIGALRM, _out_of_time)
+    except ValueError:  # not the main thread
+        return _traced_within(seconds, fn, *args)
+    start = time.monotonic()
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        try:
+            return fn(*args)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # if it fires first, it raises here, spent
+    finally:
+        signal.signal(signal.SIGALRM, old_handler)
+        if old_delay:  # the caller's own timer, less the time spent here (already due: at once)
+            left = max(1e-6, old_delay - (time.monotonic() - start))
+            signal.setitimer(signal.ITIMER_REAL, left, old_interval)
+
+
+def _traced_within(seconds, fn, *args):
+    """_within off the main thread: the clock checked at every Python call."""
+    deadline = time.monotonic() + seconds
+
+    def check(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise _OutOfTime
+
+    old = sys.gettrace()
+    sys.settrace(check)
+    try:
+        return fn(*args)
+    finally:
+        sys.settrace(old)
+
+
+def _bits(x):
+    """An upper bound on the bits of the numbers sympy may build evaluating x."""
     import sympy
 
+    if x.is_Integer or x.is_Rational:
+        return int(x.p).bit_length() + int(x.q).bit_length()
+    if x.is_Float:
+        return int(abs(x)).bit_length() + 53
+    args = [_bits(a) for a in x.args if isinstance(a, sympy.Basic)] or [0]  # x, pi: no number
+    if isinstance(x, (sympy.Pow, sympy.MatPow)) and not x.args[1].free_symbols:
+        base, exponent = args
+        if x.args[1].is_Number:
+            return base * max(1, math.ceil(abs(x.args[1])))
+        return base << exponent if exponent < 32 else MAX_BITS + 1  # 2**bits bounds the exponent
+    combinatorial = (sympy.factorial, sympy.factorial2, sympy.binomial, sympy.gamma,
+                     sympy.subfactorial, sympy.RisingFactorial, sympy.FallingFactorial)
+    if isinstance(x, combinatorial) and not x.free_symbols:
+        n = max(args)
+        return n << n if n < 32 else MAX_BITS + 1  # n! has fewer than n * log2(n) bits
+    return sum(args)
+
+
+def _too_big(expr):
+    """True where sympy could spend minutes in one C call (10^{10^{10}}, 1000000!), or on an
+    operation a final answer does not hold (an unevaluated sum, product, integral, limit)."""
+    import sympy
+
+    if isinstance(expr, sympy.MatrixBase):  # a Matrix is no Basic: its entries are
+        return any(_too_big(e) for e in expr)
+    undone = (sympy.Sum, sympy.Product, sympy.Integral, sympy.Limit, sympy.Derivative)
+    return expr.has(*undone) or _bits(expr) > MAX_BITS
+
+
+def _parse_gold(gold):
+    """The gold answer as open-r1 and TRL read it: as written where it holds its own $...$ or
+    \\boxed{}, else inside $...$, so a plain "x+1", "(2,3)", "\\frac12" or "1,000" parses as
+    meant."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    # plain text: "pi/2", "x**2" (math-verify reads sqrt(2) itself)
+    if "\\" not in gold and "$" not in gold:
+        gold = re.sub(r"\bpi\b", r"\\pi", gold).replace("**", "^")
+    text = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
+    # a gold that is a whole solution is read by its box first, as a completion is
+    targets = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    return parse(text, targets, extraction_mode="first_match", parsing_timeout=None)
+
+
+def _value(expr):
+    """What an answer states: the right side of its last relation ('x = 3' -> 3), else itself."""
+    from math_verify.grader import is_relation, take_last_relation
+
+    return take_last_relation(expr).rhs if is_relation(expr) else expr
+
+
+def _judge(given, gold):
+    """math_equal's comparison by math-verify (called under a deadline): True, False or None."""
+    from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify.grader import is_atomic_or_pct_atomic
+    from sympy import Number
+
+    golds = _parse_gold(gold)
+    numeric = any(is_atomic_or_pct_atomic(g, Number) for g in golds)  # 27, 0.5, 50%
+    if numeric and _restated(given):
+        return None
+    if numeric:
+        given = UNIT_WORDS.sub("", given)
+    # the answer is the box's content (or the tag's) already: math-verify reads it as a box
+    answers = parse(f"\\boxed{{{given}}}", [LatexExtractionConfig(boxed_match_priority=0)],
+                    parsing_timeout=None)
+    exprs = [a for a in answers if not isinstance(a, str)]
+    if not exprs or (numeric and all(_value(e).free_symbols for e in exprs)):
+        return None  # no math in it, or a numeric reference answered by a name: no answer (W4)
+    if any(_too_big(e) for e in exprs):
+        return False
+    return verify(golds, answers, timeout_seconds=None)
+
+
+def math_equal(given, answer, question="", timeout=MATH_TIMEOUT):
+    """Whether `given` (a box's or a tag's content) states `answer`: True, False, or None where it
+    is no answer at all (parsed 0 in math_reward). `answer` is the gold as a dataset writes it
+    ("27", "\\frac12", "x+1", "(2,3)", "#### 1,000": what follows ####).
+
+    Plain numbers are compared exactly, here (the default run's answers: microseconds). Everything
+    else is judged by math-verify (open-r1's and TRL's verifier), under this project's guards,
+    which win where the two disagree:
+    - a decimal is the number only exactly: 0.5 for 1/2, not 0.333333 for 1/3;
+    - a fraction that could be reduced (4/6, \\frac{8}{4}, 3/1) is wrong where the gold is reduced:
+      the gold is written in lowest terms, and the generated questions ask for them;
+    - a numeric gold needs a number: a restated operation ("13 + 14" for 27, \\sqrt{4} for 2) or
+      a name is no answer; a power (2^{10}), a mixed number (3\\frac12), x = 3, 50\\% (for 50 or
+      0.5), a currency sign or a unit word ("\\$18", "18 dollars") are the number;
+    - an expression copied from the question is no answer (_copied);
+    - sets and lists of solutions are equal in any order; tuples, points and intervals are ordered;
+    - the whole check stops after `timeout` s (wrong), in any thread; an answer that could grow
+      numbers past 2**MAX_BITS or holds an unevaluated sum or integral is wrong, uncompared.
+    """
+    gold = str(answer).split("####")[-1].strip()
+    want, got = as_fraction(gold), as_fraction(given)
+    if want is not None and got is not None:
+        return got == want and (in_lowest_terms(given) or not in_lowest_terms(gold))
+    if want is not None and (not re.search(r"[\d\\]", given) or _restated(given)):
+        return None  # at once: no number at all ("...", "x"), or an operation left undone
+    if got is None and _copied(given, question):
+        return None
+    if "math_verify" not in sys.modules:
+        warm_math_verify()
     try:
-        diff = sympy.sympify(a, locals={}) - sympy.sympify(b, locals={})
-        conn.send(bool(sympy.simplify(diff) == 0))
-    except Exception:
-        conn.send(False)
+        # a plain number as math-verify reads it best: 11,\\!111 is 11111, not the set {11, 111}
+        return _within(timeout, _judge, given if got is None else str(got), gold)
+    except (_OutOfTime, Exception):  # math-verify catches its own errors; this, ours on odd parses
+        return False
 
 
-def symbolic_equal(a, b, timeout=2.0):
-    """a == b by sympy, in a forked child killed after `timeout` s (sympy can hang on adversarial input)."""
-    for s in (a, b):  # sympify evaluates Python: admit only arithmetic and a few known names
-        if len(s) > 100 or not re.fullmatch(r"[0-9a-z+\-*/().]*", s) or "__" in s or not re.search(r"[0-9a-z]", s):
-            return False  # not arithmetic over known names (e.g. a copied "...")
-        if set(re.findall(r"[a-z]+", s)) - SYMPY_NAMES:
-            return False
-    import sympy  # noqa: F401  (imported before the fork, so the child never imports under a lock)
-
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_sympy_equal, args=(a, b, child), daemon=True)
-    proc.start()
-    result = parent.recv() if parent.poll(timeout) else False
-    proc.kill()
-    proc.join()
-    return result
+# one answer of each kind sympy builds lazily: a number, a polynomial, a tuple, an interval, a set,
+# an equation, a percent, a power
+WARM_UP = [("27", "27.0"), ("1+x", "x+1"), ("(1,2)", "(2,1)"), ("[1,2)", "[1,2)"),
+           ("\\{1,2\\}", "\\{2,1\\}"), ("x=3", "3"), ("50\\%", "0.5"), ("2^{10}", "1024")]
 
 
-def math_reward(text, answer, last_number=False, tools=False):
-    """Math: the last \\boxed{} (else the <answer> content) equals `answer`, exactly or by sympy.
+def warm_math_verify():
+    """Import math-verify and run one check of each kind, with no deadline (a few seconds, once per
+    process): a first import cut short by the deadline would score right answers 0. A task's
+    configure calls this, so the reward workers forked for every batch inherit it all; else each
+    worker's first check pays it.
+    """
+    for given, gold in WARM_UP:
+        _judge(given, gold)
+
+
+def math_reward(text, answer, last_number=False, tools=False, question=""):
+    """Math: the last \\boxed{} (else the <answer> content) states `answer` (math_equal).
 
     last_number: with no box and no tag, judge the last number in the text instead (lm-eval's
     "flexible extract"); `parsed` stays 0 then, so unparsed_penalty still asks for a tagged answer.
     tools: the box, the tag and the last number are looked for only in the model's own text after the last
     tool output (after_tool_outputs); the format is still the whole completion's.
+    question: the problem's text, so an expression copied from it earns nothing.
 
     Example: math_reward("<think>..</think><answer>\\boxed{\\frac{1}{2}}</answer>", "0.5")
     -> {"format": 1.0, "parsed": 1.0, "correct": 1.0}
@@ -246,26 +436,18 @@ def math_reward(text, answer, last_number=False, tools=False):
     own = after_tool_outputs(text) if tools else text
     tagged = extract_answer(own)
     given = last_boxed(tagged if tagged is not None else before_unclosed_think(own))
-    if given is None:
-        given = tagged
+    if given is None and tagged is not None and "\\boxed" not in tagged:
+        given = tagged  # a tag without a box (a box left open is no answer)
     if given is None and last_number:
         numbers = LAST_NUMBER.findall(before_unclosed_think(own)[-2000:])
-        fa = as_fraction(numbers[-1].replace(",", "")) if numbers else None
-        return {**out, "correct": float(fa is not None and fa == as_fraction(normalize_math(str(answer))))}
+        return {**out, "correct": float(bool(numbers) and bool(math_equal(numbers[-1], answer)))}
     if not given or len(given) > MAX_ANSWER_CHARS:
         return {**out, "format": 0.0}  # W4: an empty \boxed{} or <answer> scores nothing, not even format
-    got, want = normalize_math(given), normalize_math(str(answer))
-    if as_fraction(want) is not None:
-        # W4: a numeric reference needs a number, compared exactly. "13+14" restates "what is 13 + 14?",
-        # and a copied "\boxed{...}" from the prompt is no answer: neither earns parsed or format credit.
-        if as_fraction(got) is None:
-            return {**out, "format": 0.0}
-        # a fraction counts only in lowest terms, the form the prompt asks for: 4/6 is not 2/3's answer
-        exact = as_fraction(got) == as_fraction(want) and in_lowest_terms(got)
-        out["parsed"], out["correct"] = 1.0, float(exact)
-    else:
-        out["parsed"], out["correct"] = 1.0, float(got == want or symbolic_equal(got, want))
-    return out
+    verdict = math_equal(given, answer, question)
+    if verdict is None:
+        # W4: a copied "\boxed{...}", a restated question: neither earns parsed or format credit
+        return {**out, "format": 0.0}
+    return {**out, "parsed": 1.0, "correct": float(verdict)}
 
 
 # ---------------------------------------------------------------- code (W1)

@@ -3,11 +3,14 @@
     python grpo.py --task=gsm8k --data_path=openai/gsm8k --data_name=main   # from the hub, when online
     python grpo.py --task=gsm8k --data_path=data/gsm8k                      # a folder of train/test parquet files
 
-The problems are the dataset's rows (no problems() here: data_path supplies them); the reward compares
-the completion's final answer with the number after ####, exactly (rewards.math_reward).
+The problems are the dataset's rows (no problems() here: data_path supplies them); the reward judges
+the completion's final answer (its \\boxed{} or <answer>, else its last number) against what follows
+####, as tasks/math.py does (rewards.math_reward: "1,000", "\\$18", "18 dollars" are 1000 and 18);
+with tools on, only what the model wrote after the last tool output can answer.
 """
 
-from rewards import math_reward
+from config import ConfigError
+from rewards import math_reward, warm_math_verify
 
 PROMPT = (
     "{question}\nThink step by step inside <think> </think> tags, then give only the final number inside "
@@ -15,13 +18,27 @@ PROMPT = (
 )
 
 
+SETTINGS = {}
+
+
+def configure(cfg):
+    SETTINGS.update(tools=cfg.tools)
+    try:
+        warm_math_verify()  # here, once: the reward workers forked for every batch inherit it
+    except ImportError as e:
+        raise ConfigError(f"task={cfg.task}: the math verifier needs math-verify ({e}); "
+                          "pip install 'math-verify[antlr4_13_2]==0.9.0' (requirements.txt)") from None
+
+
 def prompt(problem):
     return [{"role": "user", "content": PROMPT.format(question=problem["question"])}]
 
 
 def reward(completion, problem):
-    final = problem["answer"].split("####")[-1].strip().replace(",", "")  # "#### 1,234" -> "1234"
-    return math_reward(completion, final, last_number=True)
+    # math_reward reads the answer after ####; with tools on, only the model's own text after the
+    # last tool output can answer (rewards.after_tool_outputs)
+    return math_reward(completion, problem["answer"], last_number=True,
+                       tools=SETTINGS.get("tools", False), question=problem["question"])
 
 
 def check(problem):

@@ -2,14 +2,15 @@
 
 Generated locally (data/arith.py: addition by default, math_kinds for more); the answer is judged by
 rewards.math_reward: the last \\boxed{} or <answer>, or with math_last_number the text's last number; with
-tools on, looked for only in what the model wrote after the last tool output.
+tools on, looked for only in what the model wrote after the last tool output. Plain numbers are
+compared exactly, anything else by math-verify under the project's guards (rewards.math_equal).
 A dataset row works too (tasks/dataset.py): "question" gets this prompt's instructions, "prompt" is
 used as it is, and a GSM8K answer ("... #### 72") is judged by what follows ####.
 """
 
 from config import ConfigError
 from data.arith import KINDS, math_problems
-from rewards import math_reward
+from rewards import math_reward, warm_math_verify
 
 # No concrete number in the example: a small model copies it as its answer (with \boxed{42} here,
 # SmolLM2-135M's base accuracy was 0.05 instead of 0.47; README, the default run).
@@ -25,6 +26,11 @@ def configure(cfg):
         raise ConfigError(f"math_kinds={cfg.math_kinds}: choose from {tuple(KINDS)}")
     SETTINGS.update(kinds=cfg.math_kinds, max_number=cfg.math_max_number, last_number=cfg.math_last_number,
                     tools=cfg.tools)
+    try:
+        warm_math_verify()  # here, once: the reward workers forked for every batch inherit it
+    except ImportError as e:
+        raise ConfigError(f"task={cfg.task}: the math verifier needs math-verify ({e}); "
+                          "pip install 'math-verify[antlr4_13_2]==0.9.0' (requirements.txt)") from None
 
 
 def problems(split, n, seed):
@@ -38,9 +44,11 @@ def prompt(problem):
 
 
 def reward(completion, problem):
-    answer = str(problem["answer"]).split("####")[-1].strip()  # GSM8K keeps the final answer after ####
-    # with tools on, only the model's own text after the last tool output can answer
-    return math_reward(completion, answer, SETTINGS.get("last_number", True), SETTINGS.get("tools", False))
+    # a GSM8K answer is judged by what follows ####; with tools on, only the model's own text after
+    # the last tool output can answer; an expression copied from the question earns nothing
+    question = problem.get("question", problem.get("prompt", ""))
+    return math_reward(completion, problem["answer"], SETTINGS.get("last_number", True),
+                       SETTINGS.get("tools", False), question)
 
 
 def check(problem):

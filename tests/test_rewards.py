@@ -18,7 +18,6 @@ from rewards import (
     has_format,
     last_boxed,
     math_reward,
-    normalize_math,
     score_batch,
     shape_reward,
 )
@@ -247,14 +246,13 @@ def test_math_answer_sources_and_guards():
     assert math_reward(M(""), "0") == {"format": 0.0, "parsed": 0.0, "correct": 0.0}
     assert math_reward("<think>w</think><answer></answer>", "0")["parsed"] == 0.0
     assert math_reward(r"<think>w</think><answer>\boxed{7</answer>", "7")["correct"] == 0.0  # unbalanced
-    assert normalize_math(r"\frac{\frac{1}{2}}{3}") == "((1)/(2))/(3)"
 
 
 def test_math_time_bound_on_adversarial_input():
     start = time.perf_counter()
     got = math_reward(M("9^9^9^9^9"), "1")
     assert got["correct"] == 0.0
-    assert time.perf_counter() - start < 4.0  # the sympy child is killed after 2 s
+    assert time.perf_counter() - start < 4.0  # a power tower is refused before sympy evaluates it
 
 
 # ---------------------------------------------------------------- code
@@ -405,7 +403,6 @@ def test_random_strings_never_raise_or_hang(text):
     assert set(got) == {"format", "parsed", "numbers_valid", "correct"}
     assert all(v in (0.0, 1.0) for v in got.values())
     last_boxed(text)
-    normalize_math(text[:300])
     assert time.perf_counter() - start < 0.5
 
 
