@@ -1,0 +1,227 @@
+"""TRL-style reward functions in a task file, reasoning-gym tasks, and the reward audit (task.py).
+
+    pytest tests/test_task_extras.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import task as task_module
+from config import ConfigError, load_config
+from task import check_task_output, load_problems, load_task, replay, score
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "config", "tiny.py")
+
+
+def setup(*overrides):
+    cfg = load_config(None, list(overrides))
+    return cfg, load_task(cfg)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def tiny_run(out_dir, *args):
+    """grpo.py on the tiny config for 3 steps (the HF engine: no vLLM start-up); its metrics."""
+    command = [sys.executable, os.path.join(ROOT, "grpo.py"), "--config", TINY, f"--out_dir={out_dir}",
+               "--max_steps=3", "--engine=hf", "--eval_every=0", "--test_size=4", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return read_jsonl(os.path.join(out_dir, "metrics.jsonl"))
+
+
+# ---------------------------------------------------------------- TRL-style reward functions
+
+# Written as TRL users write them; each checks it is called as TRL calls it (or raises, and fails).
+TRL_TASK = '''
+CHAT = {chat}
+PROBLEMS = [{{"id": "a", "answer": "4", "kind": "math"}}, {{"id": "b", "answer": "7", "kind": "math"}},
+            {{"id": "c", "answer": None, "kind": "chat"}}]
+
+
+def problems(split, n, seed):
+    return [{{**p, "id": split + p["id"]}} for p in PROBLEMS]
+
+
+def prompt(problem):
+    text = "What is " + problem["id"] + "?"
+    return [{{"role": "user", "content": text}}] if CHAT else text
+
+
+def text(completion):
+    """A chat prompt's completion comes as the assistant's message, a raw prompt's as a string."""
+    if CHAT:
+        assert completion[0]["role"] == "assistant"
+        return completion[0]["content"]
+    assert isinstance(completion, str)
+    return completion
+
+
+def accuracy_reward(prompts, completions, answer, **kwargs):
+    assert prompts == [prompt({{"id": i}}) for i in kwargs["id"]]  # prompt()'s value, in order
+    return [None if a is None else float(text(c) == a) for c, a in zip(completions, answer)]
+
+
+def brevity(completions, completion_ids, kind, **kwargs):
+    return [None if k == "chat" else -0.01 * len(ids) for c, ids, k in zip(completions, completion_ids, kind)]
+{extra}
+reward_funcs = [accuracy_reward, brevity{more}]
+reward_weights = [2.0, 1.0{more_weights}]
+'''
+
+
+def trl_task(tmp_path, chat=True, extra="", more="", more_weights="", name="trl_task.py"):
+    path = tmp_path / name
+    path.write_text(TRL_TASK.format(chat=chat, extra=extra, more=more, more_weights=more_weights))
+    return str(path)
+
+
+@pytest.mark.parametrize("chat,timeout,workers", [(True, 10, 0), (False, 10, 2), (True, 0, 0)])
+def test_trl_reward_functions_weighed_as_trl_weighs_them(tmp_path, capsys, monkeypatch, chat, timeout,
+                                                         workers):
+    """TRL's sum: weights times scores, a None left out; all None scores 0 and is counted."""
+    monkeypatch.setattr(task_module, "_REPORTED", set())  # its warnings are printed once a process
+    cfg, task = setup(f"--task={trl_task(tmp_path, chat)}", f"--reward_timeout={timeout}",
+                      f"--reward_workers={workers}")
+    assert task.reward_names == ["accuracy_reward", "brevity"] and task.correct == "accuracy_reward"
+    problems = load_problems(cfg, task, "train")
+    check_task_output(task, problems, cfg)
+    texts, ids = ["4", "5", "hello"], [[5, 6], [1, 2, 3], [9]]
+    rewards, comps = score(task, texts, problems, [2, 3, 1], cfg, ids)
+    # a: 2 * 1 - 0.01 * 2; b: 2 * 0 - 0.01 * 3; c: both None, so 0 (format_weight has no "format" to weigh)
+    assert rewards.tolist() == pytest.approx([1.98, -0.03, 0.0])
+    assert comps["accuracy_reward"].tolist() == [1.0, 0.0, 0.0]
+    assert comps["brevity"].tolist() == pytest.approx([-0.02, -0.03, 0.0])
+    assert comps["correct"].tolist() == [1.0, 0.0, 0.0]  # accuracy_reward's: acc and pass@k
+    assert comps["unscored"].tolist() == [0.0, 0.0, 1.0]
+    assert comps["errors"].tolist() == [0.0, 0.0, 0.0]
+    assert "every reward function returned None" in capsys.readouterr().err
+    # reward_weights by function name overrides the file's
+    cfg.component_weights = {"brevity": 0.0}
+    assert score(task, texts, problems, [2, 3, 1], cfg, ids)[0].tolist() == pytest.approx([2.0, 0.0, 0.0])
+
+
+def test_a_failing_reward_function_fails_its_share(tmp_path):
+    """A raise, a hang, a wrong type: each completion of that call's share scores 0, in reward/errors."""
+    extra = '''
+import time
+
+
+def fragile(completions, **kwargs):
+    said = [text(c) for c in completions]
+    if "boom" in said:
+        raise ValueError("boom")
+    if "hang" in said:
+        time.sleep(60)
+    return ["one"] * len(said) if "str" in said else [1.0] * len(said)
+'''
+    path = trl_task(tmp_path, extra=extra, more=", fragile", more_weights=", 0.5")
+    cfg, task = setup(f"--task={path}", "--reward_workers=2", "--reward_timeout=0.5")
+    problems = load_problems(cfg, task, "train")
+    p = [problems[0]] * 4
+    for bad, failure in (("boom", "error"), ("hang", "timeout"), ("str", "error")):
+        # shares of 2: the one holding `bad` fails, the other scores
+        rewards, comps = score(task, ["4", "x", bad, "4"], p, [1] * 4, cfg, [[1]] * 4)
+        assert rewards.tolist() == pytest.approx([2.49, 0.49, 0.0, 0.0]), bad
+        assert comps["errors"].tolist() == [0.0, 0.0, 1.0, 1.0], bad
+        assert comps["timeouts"].tolist() == [0.0, 0.0] + [float(failure == "timeout")] * 2
+    cfg.reward_workers = 0  # one share, the whole batch
+    rewards, comps = score(task, ["4", "x", "boom", "4"], p, [1] * 4, cfg, [[1]] * 4)
+    assert rewards.tolist() == [0.0] * 4 and comps["errors"].tolist() == [1.0] * 4
+
+
+def test_reward_functions_checked_before_the_run(tmp_path):
+    """Every misuse fails in pre-flight, naming the file and what to change."""
+    path = trl_task(tmp_path)
+    bad_files = {
+        "def reward(completion, problem):\n    return 1.0\n": "reward_funcs replace reward\\(\\) and WEIGHTS",
+        "WEIGHTS = {'brevity': 2}\n": "reward_funcs replace reward\\(\\) and WEIGHTS",
+        "reward_weights = [1.0]\n": "reward_weights must be 2 numbers",
+        "def format(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+        "reward_funcs = [accuracy_reward, format]\n": "names \\['format'\\] are taken",
+        "reward_funcs = [accuracy_reward, accuracy_reward]\n": "names \\['accuracy_reward'\\] are taken",
+        "CORRECT = 'accuracy'\n": "CORRECT='accuracy' names none of the reward functions",
+        "reward_funcs = []\n": "reward_funcs must be a non-empty list",
+    }
+    for i, (tail, message) in enumerate(bad_files.items()):
+        bad = tmp_path / f"bad{i}.py"
+        bad.write_text(open(path).read() + tail)
+        with pytest.raises(ConfigError, match=message):
+            setup(f"--task={bad}")
+    with pytest.raises(ConfigError, match="names \\['brevty'\\], not reward functions"):
+        setup(f"--task={path}", "--reward_weights=brevty:2")
+    with pytest.raises(ConfigError, match="weigh the function itself, e.g. --reward_weights=accuracy_reward:2"):
+        setup(f"--task={path}", "--correct_weight=2")
+    # CORRECT picks another function; "" none
+    for value, correct in (("'brevity'", "brevity"), ("''", "")):
+        named = tmp_path / f"correct_{correct}.py"
+        named.write_text(open(path).read() + f"CORRECT = {value}\n")
+        assert setup(f"--task={named}")[1].correct == correct
+    # a function that cannot take TRL's keywords, or returns the wrong type: found before a model loads
+    calls = {
+        "def narrow(completions, answer):\n    return [0.0] * len(completions)\n": "narrow\\(completions, "
+        "answer\\) cannot be called as TRL calls it.*\\['answer', 'id', 'kind'\\].*\\*\\*kwargs",
+        "def short(completions, **kwargs):\n    return []\n": "reward function short returned \\[\\]; "
+        "expected a list of 1 floats",
+        "def nan(completions, **kwargs):\n    return [float('nan')]\n": "reward function nan returned nan",
+    }
+    for i, (function, message) in enumerate(calls.items()):
+        name = function.split()[1].split("(")[0]
+        bad = tmp_path / f"call{i}.py"
+        bad.write_text(open(path).read() + function + f"reward_funcs = [accuracy_reward, {name}]\n"
+                       "reward_weights = [1.0, 1.0]\n")
+        cfg, task = setup(f"--task={bad}")
+        with pytest.raises(ConfigError, match=message):
+            check_task_output(task, load_problems(cfg, task, "train"), cfg)
+
+
+DIGITS_TRL = '''"""The digits task with TRL reward functions: a random model climbs accuracy_reward."""
+import itertools
+
+from data.split import in_split
+
+
+def problems(split, n, seed):
+    keys = (f"d:{i}" for i in itertools.count() if in_split(f"d:{i}", split))
+    return [{"id": key, "example": key[2:]} for key in itertools.islice(keys, n)]
+
+
+def prompt(problem):
+    return [{"role": "user", "content": "Write only digits, like " + problem["example"] + ":"}]
+
+
+def accuracy_reward(completions, **kwargs):
+    texts = [c[0]["content"].replace(" ", "") for c in completions]
+    return [sum(ch.isdigit() for ch in t) / len(t) if t else 0.0 for t in texts]
+
+
+def short_reward(completions, completion_ids, **kwargs):
+    return [None if len(ids) > 16 else 0.1 for ids in completion_ids]
+
+
+reward_funcs = [accuracy_reward, short_reward]
+'''
+
+
+def test_a_run_with_reward_functions_logs_each(tmp_path):
+    """python grpo.py --task=FILE with reward_funcs: reward/<name> per function, acc from accuracy_reward."""
+    path = tmp_path / "digits_trl.py"
+    path.write_text(DIGITS_TRL)
+    out = tmp_path / "run"
+    metrics = tiny_run(out, f"--task={path}", "--sample_every=1")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics:
+        assert 0 <= m["reward/accuracy_reward"] <= 1 and m["reward/correct"] == m["reward/accuracy_reward"]
+        assert 0 <= m["reward/short_reward"] <= 0.1 and m["acc"] == m["reward/accuracy_reward"]
+        assert m["reward/errors"] == 0 and m["reward/unscored"] == 0
+        # the logged reward is the weighted sum (weights 1): both functions' means
+        assert m["reward"] == pytest.approx(m["reward/accuracy_reward"] + m["reward/short_reward"], abs=1e-6)
+    assert "eval/pass@4" in metrics[-1]
+    assert replay(str(out / "samples.jsonl")) == 0  # the dumps re-score to what the run logged
