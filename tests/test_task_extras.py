@@ -225,3 +225,59 @@ def test_a_run_with_reward_functions_logs_each(tmp_path):
         assert m["reward"] == pytest.approx(m["reward/accuracy_reward"] + m["reward/short_reward"], abs=1e-6)
     assert "eval/pass@4" in metrics[-1]
     assert replay(str(out / "samples.jsonl")) == 0  # the dumps re-score to what the run logged
+
+
+# ---------------------------------------------------------------- reasoning-gym
+
+
+@pytest.mark.parametrize("name,wrong", [("countdown", 0.05), ("leg_counting", 0.0)])
+def test_reasoning_gym_problems_are_fixed_disjoint_and_scored_by_the_dataset(name, wrong):
+    """Two fixed streams, split by the question; the dataset's own scorer on the answer tag, through
+    the run's path (forked workers), on problems that went through JSON as samples.jsonl keeps them."""
+    args = ["--task=reasoning_gym", f"--rg_dataset={name}", "--train_size=12", "--test_size=3"]
+    cfg, task = setup(*args)
+    train, test = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
+    assert len(train) == 12 and len(test) == 3
+    assert not {p["question"] for p in train} & {p["question"] for p in test}
+    assert len({p["question"] for p in train}) == 12
+    cfg, task = setup(*args)  # again, in the same process: the same problems
+    assert load_problems(cfg, task, "train") == train and load_problems(cfg, task, "test") == test
+    other = setup(*args, "--data_seed=1")
+    assert not {p["question"] for p in load_problems(other[0], other[1], "train")} & {p["question"] for p in train}
+    problems = [json.loads(json.dumps(p)) for p in train[:3] + test[:1]]
+    right = [task.reference(p) for p in problems]
+    assert all(p["answer"] in r for p, r in zip(problems, right))
+    texts = right + ["<think>hm</think><answer>-7</answer>", "no answer"]
+    rewards, comps = score(task, texts, problems + problems[:2], [1] * 6, cfg)
+    # the dataset's scorer: 1 for its answer, `wrong` for a wrong one (its choice); format 0.1; no tag -0.2.
+    # (leg_counting's is reasoning-gym's default: an answer that holds the right one scores a share)
+    assert comps["correct"].tolist()[:5] == [1.0] * 4 + [pytest.approx(wrong)]
+    assert rewards.tolist()[:5] == pytest.approx([1.1] * 4 + [wrong + 0.1])
+    assert comps["parsed"].tolist() == [1.0] * 5 + [0.0] and comps["errors"].tolist() == [0.0] * 6
+
+
+def test_reasoning_gym_entries_come_back_from_json_whole():
+    """score_answer compares grids as tuples: JSON's lists become tuples again, or arc_agi scores 0.05."""
+    cfg, task = setup("--task=reasoning_gym", "--rg_dataset=arc_agi", "--train_size=2", "--test_size=1")
+    problem = json.loads(json.dumps(load_problems(cfg, task, "train")[0]))
+    assert isinstance(problem["metadata"]["output"], list) and problem["rg"]["tuples"]
+    assert task.reward(task.reference(problem), problem)["correct"] == 1.0
+
+
+def test_reasoning_gym_settings_fail_clearly():
+    with pytest.raises(ConfigError, match="rg_dataset='countdwn': name one of reasoning-gym's datasets, e.g. "
+                       "--rg_dataset=countdown; closest: countdown"):
+        setup("--task=reasoning_gym", "--rg_dataset=countdwn")
+    with pytest.raises(ConfigError, match="rg_dataset='': name one of"):
+        setup("--task=reasoning_gym")
+    with pytest.raises(ConfigError, match="rg_dataset='graph_color': its entries do not come back from JSON"):
+        cfg, task = setup("--task=reasoning_gym", "--rg_dataset=graph_color", "--train_size=2")
+        load_problems(cfg, task, "train")
+
+
+def test_three_steps_on_a_reasoning_gym_task(tmp_path):
+    metrics = tiny_run(tmp_path, "--task=reasoning_gym", "--rg_dataset=leg_counting", "--train_size=16",
+                       "--max_prompt_len=1024", "--micro_batch_tokens=1200")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(m["reward/errors"] == 0 and m["acc"] is not None for m in metrics)
+    assert metrics[-1]["eval/pass@4"] is not None
