@@ -47,6 +47,7 @@ reward_timeout=0 runs it in-process: no deadline, and what it starts is its own 
 process may live across batches).
 """
 
+import decimal
 import functools
 import importlib.util
 import inspect
@@ -56,6 +57,8 @@ import multiprocessing
 import multiprocessing.connection
 import numbers
 import os
+import random
+import re
 import signal
 import sys
 import time
@@ -63,9 +66,9 @@ import traceback
 from dataclasses import dataclass, field
 
 import sandbox
-from config import Config, ConfigError, load_saved
+from config import Config, ConfigError, config_from_argv, load_saved
 from data.files import is_data_path, load_rows
-from rewards import score_batch
+from rewards import extract_answer, score_batch
 
 TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 
@@ -440,24 +443,33 @@ _REPORTED = set()  # the first failure of each kind is printed once per process,
 FAILURES = {"error": "a reward raised (or its process died)", "timeout": "a reward ran past reward_timeout"}
 
 
-def report(kind, detail):
+def report(value, detail):
+    """A failed reward's warning, once a process for each kind: value is run_rewards' string."""
+    kind = value if value in FAILURES else "wrong type"
     if kind not in _REPORTED:
         _REPORTED.add(kind)
         print(f"warning: {FAILURES.get(kind, 'a reward returned the wrong type')}; the completion scores 0 and is "
               f"counted in reward/errors (printed once):\n{detail}", file=sys.stderr)
 
 
-def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False):
+def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False, failed=None):
     """reward(text, problem) for each completion: a components dict, or a string saying why it failed
     ("error", "timeout", "wrong type: ..."). With timeout > 0, `workers` forked children each score a share
     in order; one that sends nothing for `timeout` s is killed, its completion marked "timeout", and a fresh
     child goes on with the rest. A worker kills every process its reward leaves (after each call),
-    and is killed with them on a timeout. timeout = 0: in this process, no deadline, none killed."""
+    and is killed with them on a timeout. timeout = 0: in this process, no deadline, none killed.
+    Each failure is reported (once a process for each kind), or not (quiet), or given to
+    failed(value, detail) with its traceback or reason."""
     jobs = [(i, (t, p)) for i, (t, p) in enumerate(zip(texts, problems))]
-    return _run_jobs(reward, jobs, as_components, timeout, workers, quiet)
+    failed = failed or (ignore if quiet else report)
+    return _run_jobs(reward, jobs, as_components, timeout, workers, failed)
 
 
-def _run_jobs(reward, jobs, check, timeout, workers, quiet, size=lambda args: 1):
+def ignore(*args):
+    pass
+
+
+def _run_jobs(reward, jobs, check, timeout, workers, failed, size=lambda args: 1):
     """run_rewards for any jobs (i, args), i = 0, 1, ...: reward(*args) then check(value), or why
     it failed. A job has timeout * size(args) seconds."""
     results, workers = [None] * len(jobs), max(1, workers)
@@ -465,8 +477,8 @@ def _run_jobs(reward, jobs, check, timeout, workers, quiet, size=lambda args: 1)
     def record(message):
         i, value, detail = message
         results[i] = value
-        if isinstance(value, str) and not quiet:
-            report(value if value in FAILURES else "wrong type", detail or value)
+        if isinstance(value, str):
+            failed(value, detail or value)
 
     if not timeout:
         _score_all(reward, jobs, record, check)
@@ -518,7 +530,8 @@ def _run_jobs(reward, jobs, check, timeout, workers, quiet, size=lambda args: 1)
 NOT_COLUMNS = {"prompt", "completion", "completion_ids", "prompts", "completions"}
 
 
-def run_reward_funcs(task, texts, problems, timeout, workers=1, completion_ids=None, quiet=False):
+def run_reward_funcs(task, texts, problems, timeout, workers=1, completion_ids=None, quiet=False,
+                     failed=None):
     """TRL's reward functions on N completions, as run_rewards runs reward(): per completion
     {function name: score} (a None left out, "correct" and "unscored" added; reward_rows), or a
     string saying why it failed. Each function is called once per share of the batch: the whole
@@ -534,7 +547,8 @@ def run_reward_funcs(task, texts, problems, timeout, workers=1, completion_ids=N
     jobs = [(k, ([texts[i] for i in r], [problems[i] for i in r], [ids[i] for i in r]))
             for k, r in enumerate(shares)]
     done = _run_jobs(functools.partial(call_reward_funcs, task), jobs,
-                     functools.partial(reward_rows, task), timeout, workers, quiet,
+                     functools.partial(reward_rows, task), timeout, workers,
+                     failed or (ignore if quiet else report),
                      size=lambda args: len(args[0]))
     # a failed share: its reason for each of its completions
     results = [row for r, out in zip(shares, done)
@@ -591,11 +605,13 @@ def reward_rows(task, called):
 # ---------------------------------------------------------------- scoring
 
 
-def task_rewards(task, texts, problems, timeout, workers=1, completion_ids=None, quiet=False):
+def task_rewards(task, texts, problems, timeout, workers=1, completion_ids=None, quiet=False,
+                 failed=None):
     """The task's components for each completion (or why it failed): reward() or reward_funcs."""
     if task.reward_funcs:
-        return run_reward_funcs(task, texts, problems, timeout, workers, completion_ids, quiet)
-    return run_rewards(task.reward, texts, problems, timeout, workers, quiet)
+        return run_reward_funcs(task, texts, problems, timeout, workers, completion_ids, quiet,
+                                failed)
+    return run_rewards(task.reward, texts, problems, timeout, workers, quiet, failed)
 
 
 def reward_shaping(task, cfg):
@@ -659,7 +675,215 @@ def replay(path, config_path=None):
     return disagreements
 
 
+# ---------------------------------------------------------------- the reward audit
+
+AUDIT_PROBLEMS = 3  # the first problems of the train split are audited
+AUDIT_FUZZ = 12  # random edits of each problem's reference
+AUDIT_SLOW = 1.0  # seconds: a call slower than this is reported (a step makes batch_size of them)
+AUDIT_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def audit(task_name, argv=()):
+    """python task.py --audit TASK [--config RUN] [--key=value ...]: the task's reward against
+    adversarial completions (audit_cases) and a fuzz of its reference(problem), on the first
+    AUDIT_PROBLEMS problems, through task_rewards as a run scores (forked workers, reward_timeout).
+    Prints each crash, timeout, non-number, slow call and suspicious reward: one that reaches the
+    reference's, or that the task calls correct, without giving a right answer. Returns the number
+    of failures: all of these but the slow calls."""
+    cfg = config_from_argv([*argv, f"--task={task_name}"])
+    cfg.train_size = AUDIT_PROBLEMS
+    task = load_task(cfg)
+    problems = load_problems(cfg, task, "train")
+    check_sandbox(cfg, task, problems)
+    print(f"audit of {task.where}: {len(problems)} problems, reward_timeout={cfg.reward_timeout} s")
+    if task.reference is None:
+        print("  note: the task file defines no reference(problem): suspicious rewards go untold")
+    run = Audit(task, cfg)
+    references = [task.reference(p) if task.reference else None for p in problems]
+    for i, problem in enumerate(problems):
+        run.problem(problem, references[i + 1:] + references[:i])
+    for kind, text in run.findings:
+        print(f"  {kind}: {text}")
+    seconds, name = max(run.times)
+    failures = sum(kind != "slow" for kind, _ in run.findings)
+    mean = sum(t for t, _ in run.times) / len(run.times)
+    print(f"{len(run.times)} calls, slowest {seconds:.3f} s ({name}), mean {mean:.3f} s; "
+          f"{failures} failures, {len(run.findings) - failures} slow calls: "
+          f"{'FAIL' if failures else 'PASS'}")
+    return failures
+
+
+class Audit:
+    """Scores completions as a run does, timing each call, and collects what goes wrong."""
+
+    def __init__(self, task, cfg):
+        self.task, self.findings, self.times, self.noted = task, [], [], False
+        # never in-process (reward_timeout=0): a reward that hangs would hang the audit
+        self.timeout = cfg.reward_timeout or Config.reward_timeout
+        weights, shape = reward_shaping(task, cfg)
+        # no tokenizer here, so no length shaping (W3)
+        self.weights, self.shape = weights, {**shape, "length_soft_limit": 0, "length_min": 0}
+
+    def problem(self, problem, others):
+        """Audit one problem; others: the other problems' references, wrong answers to try here."""
+        task, best, gold, wrong = self.task, None, None, None
+        reference = task.reference(problem) if task.reference else None
+        if reference is not None:
+            best, result = self.score("reference", problem, reference)
+            if best is not None and result.get("correct", 1.0) < 1:
+                self.findings.append(("bad reference", f"problem {problem['id']}: "
+                                      f"{as_text(result)} for its reference {reference!r:.80}"))
+                best = None
+        if best is not None:
+            gold = extract_answer(task.completion_prefix + reference)
+            gold = reference.strip() if gold is None else gold
+            wrong = self.wrong_answer(problem, reference, gold, best, others)
+        prompt = task.prompt(problem)
+        prompt = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        cases = audit_cases(prompt, gold, wrong)
+        cases.update(near_misses(reference, gold) if best is not None else {})
+        for name, text in cases.items():
+            self.score(name, problem, text, best)
+        if best is None:
+            print(f"problem {problem['id']}: no reference: crashes, slow calls, non-numbers only")
+            return
+        pieces = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "}", "```python\n",
+                  "```", "\n", gold, "correct"]
+        pieces += [extract_answer(wrong) or wrong] if wrong else []
+        rng = random.Random(problem["id"])
+        for name, text in fuzzed(reference, pieces, rng, AUDIT_FUZZ).items():
+            self.score(name, problem, text, best, strictly=True)  # an edit may leave it right
+        print(f"problem {problem['id']}: reference scores {best:.4g}; {len(cases)} cases, "
+              f"{AUDIT_FUZZ} fuzzed references")
+
+    def score(self, name, problem, text, limit=None, strictly=False):
+        """The reward and components of one completion (None, None if it failed), noting a
+        failure, a slow call and a suspicious reward: above `limit` (or at it, or correct, unless
+        strictly)."""
+        failures = []
+        start = time.perf_counter()
+        result = task_rewards(self.task, [self.task.completion_prefix + text], [problem],
+                              self.timeout, failed=lambda value, detail: failures.append(detail))[0]
+        seconds = time.perf_counter() - start
+        self.times.append((seconds, name))
+        where = f"{name}, problem {problem['id']}"
+        if isinstance(result, str):  # the traceback's last line, or why
+            why = (failures[0].strip().splitlines() or [result])[-1] if failures else result
+            kind = {"error": "crash", "timeout": "timeout"}.get(result, "non-number")
+            self.findings.append((kind, f"{where}: {why:.200}; completion {text!r:.80}"))
+            return None, None
+        if seconds > AUDIT_SLOW:
+            self.findings.append(("slow", f"{where}: {seconds:.2f} s a call; {text!r:.60}"))
+        reward = score_batch([result], [0], self.weights, **self.shape)[0][0].item()
+        if limit is None:
+            return reward, result
+        if reward > limit + 1e-9 or (not strictly and reward >= limit - 1e-9):
+            self.findings.append(("suspicious", f"{where}: {reward:.4g} >= the reference's "
+                                  f"{limit:.4g} ({as_text(result)}); completion {text!r:.120}"))
+        elif not strictly and result.get("correct", 0.0) >= 1:  # what acc and pass@k count
+            self.findings.append(("suspicious", f"{where}: correct ({as_text(result)}); "
+                                  f"completion {text!r:.120}"))
+        return reward, result
+
+    def wrong_answer(self, problem, reference, gold, best, others):
+        """A completion in the reference's form that the reward scores below it: a number near a
+        one-number answer, or another problem's reference; None if none is found."""
+        def form(text):
+            return [mark in text for mark in ("```", "\\boxed", "<answer>", "<think>")]
+
+        alike = [o for o in others if o and form(o) == form(reference)]
+        for candidate in [*near_misses(reference, gold).values(), *alike]:
+            reward = self.score("a wrong answer", problem, candidate)[0]
+            if reward is not None and reward < best - 1e-9:
+                return candidate
+            if reward is not None and not self.noted:
+                self.noted = True
+                print(f"  note: problem {problem['id']}: {candidate!r:.40} scores {reward:.4g} "
+                      "here, as much as its reference: a reward that ignores the problem?")
+        print(f"  note: problem {problem['id']}: no wrong answer in the reference's form; the "
+              "cases that give the gold answer and then another are left out")
+        return None
+
+
+def audit_cases(prompt, gold, wrong):
+    """The adversarial completions, by name, none of which gives a right answer as its answer:
+    the gold answer (`gold`: what the reference's answer tag holds) appears only where another
+    answer (`wrong`, a completion in the reference's form the reward scores lower) follows it.
+    Without gold or wrong, the cases that need neither."""
+    cases = {
+        "empty": "",
+        "whitespace": " \n\t \r\n  ",
+        "huge (1 MB)": ("lorem ipsum dolor sit amet " * 40_000)[:1_000_000],
+        "huge tags (1 MB)": "<answer>" * 60_000 + "</answer>" * 60_000,
+        # control characters and every byte but the digits; RTL, zero-width, BOM, combining, astral
+        "binary junk": "".join(chr(b) for b in range(256) if not chr(b).isdigit()) * 20,
+        "unicode junk": "\u202e\u200b\ufeff\x00 \u4e2d\u6587 \U0001f916 e\u0301 \uffff \U0010ffff"
+        * 50,
+        "prompt copied": prompt,
+        "says correct": "correct",
+        "says correct, tagged": "<think>correct</think><answer>correct</answer>",
+        "says correct, in words": "The answer is correct. Correct! Full marks, verified.",
+    }
+    if gold is None or wrong is None:
+        return cases
+    other = extract_answer(wrong)
+    other = wrong.strip() if other is None else other
+    cases.update({
+        "gold mentioned, another answer": f"The answer is not {gold}.\n{wrong}",
+        "several answers, gold between":
+            f"<answer>{other}</answer>\n<answer>{gold}</answer>\n{wrong}",
+        "nested tags": f"<answer>{gold}<answer>{other}</answer></answer>",
+        "nested tags, gold inside": f"<answer><answer>{gold}</answer>{other}</answer>",
+        "unbalanced tags": f"</answer>{gold}<answer>\n{wrong}",
+        "unclosed tag": f"<answer>{gold}\n{wrong}",
+    })
+    return cases
+
+
+def near_misses(reference, gold):
+    """Numbers that round to a one-number answer, in its place in the reference: for 27, 27.4,
+    26.6 and 27.000001."""
+    numbers = AUDIT_NUMBER.findall(gold)
+    if len(numbers) != 1 or "```" in gold:
+        return {}
+    at, value = reference.rfind(numbers[0]), decimal.Decimal(numbers[0])
+    near = (value + decimal.Decimal("0.4"), value - decimal.Decimal("0.4"),
+            value + decimal.Decimal("0.000001"))
+    end = at + len(numbers[0])
+    return {f"rounds to the answer ({v})": reference[:at] + str(v) + reference[end:] for v in near}
+
+
+def fuzzed(reference, pieces, rng, n):
+    """n random edits of the reference: pieces put in, spans deleted or doubled, junk characters."""
+    out = {}
+    for k in range(n):
+        text = reference
+        for _ in range(rng.randint(1, 3)):
+            i, j = sorted(rng.randrange(len(text) + 1) for _ in range(2))
+            op = rng.choice(("insert", "delete", "double", "junk"))
+            if op == "insert":
+                text = text[:i] + rng.choice(pieces) + text[i:]
+            elif op == "delete":
+                text = text[:i] + text[j:]
+            elif op == "double":
+                text = text[:j] + text[i:j] + text[j:]
+            else:
+                text = text[:i] + rng.choice("\x00<>/{}()*`\n \u00e9\U0001f916") + text[i + 1:]
+        out[f"fuzz {k}"] = text
+    return out
+
+
+def as_text(components):
+    return ", ".join(f"{k} {v:.4g}" for k, v in components.items())
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "--replay":
-        sys.exit("usage: python task.py --replay out/run/samples.jsonl")
-    sys.exit(1 if replay(sys.argv[2]) else 0)
+    if len(sys.argv) == 3 and sys.argv[1] == "--replay":
+        sys.exit(1 if replay(sys.argv[2]) else 0)
+    if len(sys.argv) >= 3 and sys.argv[1] == "--audit":
+        try:
+            sys.exit(1 if audit(sys.argv[2], sys.argv[3:]) else 0)
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
+    sys.exit("usage: python task.py --replay out/run/samples.jsonl\n"
+             "       python task.py --audit TASK [--config RUN] [--key=value ...]")

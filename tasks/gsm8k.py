@@ -21,7 +21,13 @@ def prompt(problem):
 
 def reward(completion, problem):
     final = problem["answer"].split("####")[-1].strip().replace(",", "")  # "#### 1,234" -> "1234"
-    return math_reward(completion, final, last_number=True)
+    # the question copied is no answer, though its last number may be it
+    return math_reward(completion.replace(problem["question"], " "), final, last_number=True)
+
+
+def reference(problem):
+    final = problem["answer"].split("####")[-1].strip()
+    return f"<think>Work it out.</think><answer>{final}</answer>"
 
 
 def check(problem):

@@ -39,8 +39,17 @@ def prompt(problem):
 
 def reward(completion, problem):
     answer = str(problem["answer"]).split("####")[-1].strip()  # GSM8K keeps the final answer after ####
+    # the question copied is no answer, though its last number may be the answer ("What is 1 * 3?")
+    question = problem.get("prompt", problem.get("question"))
+    if question:
+        completion = completion.replace(question, " ")
     # with tools on, only the model's own text after the last tool output can answer
     return math_reward(completion, answer, SETTINGS.get("last_number", True), SETTINGS.get("tools", False))
+
+
+def reference(problem):
+    answer = str(problem["answer"]).split("####")[-1].strip()
+    return f"<think>Work it out.</think><answer>\\boxed{{{answer}}}</answer>"
 
 
 def check(problem):

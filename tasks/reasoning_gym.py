@@ -32,6 +32,9 @@ PROMPT = (
     "inside <answer> </answer> tags."
 )
 DRAWS = 20  # entries drawn per problem asked for, at most: the test split keeps 1 question in 10
+# a longer answer is no answer: the longest of the datasets' own is ~4,000 characters
+# (tower_of_hanoi), and some scorers take seconds on a megabyte (countdown parses it)
+MAX_ANSWER_CHARS = 10_000
 SETTINGS = {}
 _DATASETS = {}  # (name, seed, size) -> its dataset: made once a process (forked workers inherit it)
 
@@ -122,8 +125,11 @@ def prompt(problem):
 
 
 def reward(completion, problem):
-    """correct: the dataset's own score_answer of the last <answer> tag's content (None: no tag)."""
+    """correct: the dataset's own score_answer of the last <answer> tag's content (None: no tag,
+    or one past MAX_ANSWER_CHARS)."""
     answer = extract_answer(completion)
+    if answer is not None and len(answer) > max(MAX_ANSWER_CHARS, 4 * len(str(problem["answer"]))):
+        answer = None
     scorer = dataset(problem["rg"]["dataset"], problem["rg"]["seed"], problem["rg"]["size"])
     score = scorer.score_answer(answer, original_entry(problem))
     return {"format": float(has_format(completion)), "parsed": float(bool(answer)),
