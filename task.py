@@ -47,6 +47,7 @@ reward_timeout=0 runs it in-process: no deadline, and what it starts is its own 
 process may live across batches).
 """
 
+import asyncio
 import decimal
 import functools
 import importlib.util
@@ -564,16 +565,21 @@ def run_reward_funcs(task, texts, problems, timeout, workers=1, completion_ids=N
 
 
 def call_reward_funcs(task, texts, problems, ids):
-    """TRL's call: each reward function once on these completions. Returns (n, {name: its list})."""
+    """TRL's call: each reward function once on these completions, with prompts (prompt()'s
+    values), completions, completion_ids and a keyword per problem key, TRL's dataset columns
+    ("id" too; not TRL's trainer_state, log_extra, log_metric). Returns (n, {name: its list})."""
     prompts = [task.prompt(p) for p in problems]
     # a chat prompt's completion is the assistant's message, as TRL passes it
     completions = [[{"role": "assistant", "content": t}] if is_chat(p) else t
                    for t, p in zip(texts, prompts)]
-    # TRL passes the dataset's columns: here the problems' keys ("id" too)
     keys = sorted({k for p in problems for k in p} - NOT_COLUMNS)
     columns = {k: [p.get(k) for p in problems] for k in keys}
-    return len(texts), {name: f(prompts=prompts, completions=completions, completion_ids=ids,
-                                **columns) for name, f in zip(task.reward_names, task.reward_funcs)}
+    out = {}
+    for name, f in zip(task.reward_names, task.reward_funcs):
+        out[name] = f(prompts=prompts, completions=completions, completion_ids=ids, **columns)
+        if inspect.iscoroutine(out[name]):  # an async function, as TRL allows (e.g. an LLM judge)
+            out[name] = asyncio.run(out[name])
+    return len(texts), out
 
 
 def reward_rows(task, called):

@@ -71,7 +71,7 @@ def accuracy_reward(prompts, completions, answer, **kwargs):
     return [None if a is None else float(text(c) == a) for c, a in zip(completions, answer)]
 
 
-def brevity(completions, completion_ids, kind, **kwargs):
+async def brevity(completions, completion_ids, kind, **kwargs):  # TRL allows async functions
     return [None if k == "chat" else -0.01 * len(ids) for ids, k in zip(completion_ids, kind)]
 {extra}
 reward_funcs = [accuracy_reward, brevity{more}]
