@@ -81,7 +81,7 @@ class Task:
     where: str
     problems: object  # problems(split, n, seed), or None when the problems come from data_path
     prompt: object  # prompt(problem)
-    reward: object  # reward(completion, problem)
+    reward: object  # reward(completion, problem); None with reward_funcs
     completion_prefix: str = ""
     weights: dict = field(default_factory=dict)
     columns: dict = field(default_factory=dict)
