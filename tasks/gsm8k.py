@@ -21,8 +21,9 @@ def prompt(problem):
 
 def reward(completion, problem):
     final = problem["answer"].split("####")[-1].strip().replace(",", "")  # "#### 1,234" -> "1234"
-    # the question copied is no answer, though its last number may be it
-    return math_reward(completion.replace(problem["question"], " "), final, last_number=True)
+    if problem["question"]:  # the question copied is no answer, though its last number may be it
+        completion = completion.replace(problem["question"], " ")
+    return math_reward(completion, final, last_number=True)
 
 
 def reference(problem):
