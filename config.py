@@ -61,6 +61,7 @@ class Config:
     math_kinds: tuple = ("add",)  # generated kinds (data/arith.py): add sub order_of_ops linear fractions cookies area
     math_max_number: int = 25  # largest operand of the generated math problems
     math_last_number: bool = True  # W1: with no \boxed{} or <answer>, judge the text's last number; False = tags only
+    rg_dataset: str = ""  # D1: --task=reasoning_gym: its reasoning-gym dataset, e.g. countdown
     curriculum: bool = False  # D2: sample easy:medium:hard 1:2:3 by recent pass rate; False = shuffled epochs (D3)
     curriculum_easy_above: float = 0.8  # D2: pass rate above this is easy
     curriculum_hard_below: float = 0.2  # D2: pass rate below this is hard
@@ -251,7 +252,7 @@ RUN_SETTINGS = (
     # the problems (D1): the sampler's saved state indexes them; other problems, another data order
     "task", "data_path", "data_name", "data_columns", "data_seed", "train_size",
     "countdown_numbers", "countdown_max_number", "countdown_max_target",
-    "math_kinds", "math_max_number",
+    "math_kinds", "math_max_number", "rg_dataset",
     # the data order and sampling seeds (D3), and the curriculum's buckets (D2)
     "seed", "curriculum", "curriculum_easy_above", "curriculum_hard_below", "curriculum_ramp_steps",
     # the batch and the updates per batch (R3, L7)

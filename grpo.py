@@ -200,7 +200,8 @@ def generate_and_score(engine, train, idx, seeds, cfg, temperature):
     lengths = [len(c.completion_ids) for c in completions]
     start = time.perf_counter()
     rewards, components = score(train.task, [c.text for c in completions],
-                                [train.problems[i] for i in problem], lengths, cfg)
+                                [train.problems[i] for i in problem], lengths, cfg,
+                                [c.completion_ids for c in completions])
     score_seconds = time.perf_counter() - start
     tool_errors = torch.tensor([float(c.tool_errors) for c in completions])
     if cfg.tool_error_penalty:  # a failed call costs a little: the model learns to write code that runs
@@ -709,14 +710,16 @@ def evaluate(engine, test, cfg, seed):
                              max_tokens=cfg.max_completion_len)
     texts = [g[0].text for g in greedy]
     lengths = [len(g[0].completion_ids) for g in greedy]
-    rewards, comps = score(test.task, texts, test.problems, lengths, cfg)
+    rewards, comps = score(test.task, texts, test.problems, lengths, cfg,
+                           [g[0].completion_ids for g in greedy])
     # every rank generates the same calls whatever the rewards say (FSDP's HF engine: lockstep)
     sampled = engine.generate(prompts, k, seeds=seeds, temperature=cfg.temperature,
                               top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len)
     flat = [c for g in sampled for c in g]
     problems = [p for p in test.problems for _ in range(k)]
     _, sampled_comps = score(test.task, [c.text for c in flat], problems,
-                             [len(c.completion_ids) for c in flat], cfg)
+                             [len(c.completion_ids) for c in flat], cfg,
+                             [c.completion_ids for c in flat])
     out = {"eval/reward": rewards.mean().item()}
     if "correct" in comps:
         correct = sampled_comps.get("correct", torch.zeros(len(flat)))

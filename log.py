@@ -55,6 +55,7 @@ def dump_samples(cfg, step, batch, advantages, problems, tokenizer):
             f.write(json.dumps({
                 "step": step, "problem": problems[batch.problem[r]], "completion": c.text,
                 "reward": batch.rewards[r].item(), "advantage": advantages[r].item(), "length": len(c.completion_ids),
+                "completion_ids": c.completion_ids,  # what TRL-style reward functions got (replay)
                 "components": {k: v[r].item() for k, v in batch.components.items()},
                 **({"turns": turns(c, tokenizer), "tool_errors": c.tool_errors} if c.mask is not None else {})}) + "\n")
 

@@ -14,6 +14,7 @@ A task file defines three functions (tasks/larger.py is a complete example):
 
 and may define:
 
+    reference(problem)       -> a completion that earns full reward (`python task.py --audit`)
     COMPLETION_PREFIX = "<think>"   the answer's first words, written by the prompt, not sampled; the reward
                                     sees them in front of the completion (R1-Zero's template ends with it)
     WEIGHTS = {"numbers_valid": 0}  weights of the task's own components (default 1; reward_weights overrides)
@@ -24,6 +25,20 @@ and may define:
                                     only where the sandbox that `sandbox` accepts can be had; or a
                                     function of a problem, if only some do (as tools=True always)
 
+Instead of reward(), a task file may give TRL's reward functions, which then work unchanged:
+
+    reward_funcs = [accuracy_reward, format_reward]  f(prompts, completions, **columns) -> a list
+                                of floats or None, batched, as TRL's GRPOTrainer calls them
+                                (call_reward_funcs says with what)
+    reward_weights = [1.0, 0.2]  TRL's reward_weights, one per function (default 1 each)
+    CORRECT = "accuracy_reward"  the function whose score is also "correct" (acc, pass@k: solved
+                                at >= 1); default: the one named accuracy_reward, as TRL's own
+                                (trl.rewards.accuracy_reward); "" = none
+
+The reward is then TRL's: the weighted sum of the functions' scores, a None left out (TRL's nansum);
+each function is logged as reward/<its name>, and a completion every function gives None scores 0
+and is counted in reward/unscored. correct_weight does not apply (the functions' weights do).
+
 The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or hangs
 scores 0 for that completion and is counted in reward/errors; the run goes on. Module state the reward
 changes therefore does not persist from batch to batch. Every process a reward starts (a daemon that
@@ -32,13 +47,19 @@ reward_timeout=0 runs it in-process: no deadline, and what it starts is its own 
 process may live across batches).
 """
 
+import asyncio
+import decimal
+import functools
 import importlib.util
 import inspect
 import json
 import math
 import multiprocessing
 import multiprocessing.connection
+import numbers
 import os
+import random
+import re
 import signal
 import sys
 import time
@@ -46,9 +67,9 @@ import traceback
 from dataclasses import dataclass, field
 
 import sandbox
-from config import ConfigError, load_saved
+from config import Config, ConfigError, config_from_argv, load_saved
 from data.files import is_data_path, load_rows
-from rewards import score_batch
+from rewards import extract_answer, score_batch
 
 TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 
@@ -60,12 +81,17 @@ class Task:
     where: str
     problems: object  # problems(split, n, seed), or None when the problems come from data_path
     prompt: object  # prompt(problem)
-    reward: object  # reward(completion, problem)
+    reward: object  # reward(completion, problem); None with reward_funcs
     completion_prefix: str = ""
     weights: dict = field(default_factory=dict)
     columns: dict = field(default_factory=dict)
     check: object = None
     runs_code: object = False  # RUNS_CODE: True, False, or a function of a problem
+    reference: object = None  # reference(problem) -> a completion that earns full reward
+    # TRL-style reward functions instead of reward(); their names are their components
+    reward_funcs: list = field(default_factory=list)
+    reward_names: list = field(default_factory=list)
+    correct: str = ""  # CORRECT: the function whose score is also the component "correct"
 
 
 def builtin_tasks():
@@ -102,10 +128,11 @@ def load_task(cfg):
     path = task_file(cfg)
     module = import_file(path)
     data_path = cfg.data_path or (cfg.task if is_data_path(cfg.task) else "")
+    trl = hasattr(module, "reward_funcs")
     for name, signature in (("prompt", "prompt(problem)"), ("reward", "reward(completion, problem)"),
                             ("problems", "problems(split, n, seed)")):
-        if name == "problems" and data_path:
-            continue  # the problems come from the dataset
+        if (name == "problems" and data_path) or (name == "reward" and trl):
+            continue  # the problems come from the dataset; the reward from reward_funcs
         if not callable(getattr(module, name, None)):
             hint = " (or set data_path to a dataset)" if name == "problems" else ""
             raise ConfigError(f"task file {path} defines no function {signature}{hint}")
@@ -117,13 +144,67 @@ def load_task(cfg):
         module.configure(cfg)
     extras = {"completion_prefix": getattr(module, "COMPLETION_PREFIX", ""), "weights": getattr(module, "WEIGHTS", {}),
               "columns": getattr(module, "COLUMNS", {}), "check": getattr(module, "check", None),
-              "runs_code": getattr(module, "RUNS_CODE", False)}
+              "runs_code": getattr(module, "RUNS_CODE", False),
+              "reference": getattr(module, "reference", None)}
     if not isinstance(extras["completion_prefix"], str) or not isinstance(extras["weights"], dict):
         raise ConfigError(f"task file {path}: COMPLETION_PREFIX must be a string and WEIGHTS a dict of floats")
     if not isinstance(extras["runs_code"], bool) and not callable(extras["runs_code"]):
         raise ConfigError(f"task file {path}: RUNS_CODE must be True, False or a function of a "
                           "problem")
-    return Task(path, None if data_path else module.problems, module.prompt, module.reward, **extras)
+    if extras["reference"] is not None and not callable(extras["reference"]):
+        raise ConfigError(f"task file {path}: reference must be a function reference(problem)")
+    if trl:
+        extras.update(reward_funcs_extras(module, path, cfg))
+    return Task(path, None if data_path else module.problems, module.prompt,
+                getattr(module, "reward", None), **extras)
+
+
+# the components score() adds or the shaping reads by name: no reward function may take them
+RESERVED = ("correct", "format", "parsed", "errors", "timeouts", "unscored")
+
+
+def reward_funcs_extras(module, path, cfg):
+    """A task file's reward_funcs, reward_weights and CORRECT, checked: the Task's fields."""
+    funcs, weights = module.reward_funcs, getattr(module, "reward_weights", None)
+    if hasattr(module, "reward") or hasattr(module, "WEIGHTS"):
+        raise ConfigError(f"task file {path}: reward_funcs replace reward() and WEIGHTS; keep "
+                          "one way (weigh the functions with reward_weights)")
+    if not isinstance(funcs, (list, tuple)) or not funcs or not all(map(callable, funcs)):
+        raise ConfigError(f"task file {path}: reward_funcs must be a non-empty list of functions "
+                          "f(prompts, completions, **columns) -> list of floats (TRL's)")
+    names = [callable_name(f) for f in funcs]
+    clash = sorted({n for n in names if n in RESERVED or names.count(n) > 1})
+    if clash:
+        raise ConfigError(f"task file {path}: reward function names {clash} are taken (by another "
+                          f"function, or by {RESERVED}); each is logged as reward/<its name>: "
+                          "rename them")
+    weights = [1.0] * len(funcs) if weights is None else weights
+    if (not isinstance(weights, (list, tuple)) or len(weights) != len(funcs)
+            or not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights)):
+        raise ConfigError(f"task file {path}: reward_weights must be {len(funcs)} numbers, one per "
+                          f"reward function {names}, got {weights!r:.80}")
+    correct = getattr(module, "CORRECT", "accuracy_reward" if "accuracy_reward" in names else "")
+    if correct and correct not in names:
+        raise ConfigError(f"task file {path}: CORRECT={correct!r} names none of the reward "
+                          f"functions {names}")
+    unknown = sorted(set(cfg.component_weights) - set(names))
+    if unknown:
+        raise ConfigError(f"reward_weights={cfg.reward_weights!r} names {unknown}, not reward "
+                          f"functions of {path}: {names}")
+    if cfg.correct_weight != Config.correct_weight:
+        raise ConfigError(f"correct_weight={cfg.correct_weight}: {path}'s reward is its "
+                          "reward_funcs' weighted sum; weigh the function itself, e.g. "
+                          f"--reward_weights={correct or names[0]}:{cfg.correct_weight}")
+    # "unscored" is logged, never rewarded: such a completion scores 0, as in TRL
+    return {"reward_funcs": list(funcs), "reward_names": names, "correct": correct,
+            "weights": {**dict(zip(names, map(float, weights))), "unscored": 0.0}}
+
+
+def callable_name(f):
+    """A reward function's name as TRL logs it: a partial's function's, or an object's class's."""
+    while isinstance(f, functools.partial):
+        f = f.func
+    return getattr(f, "__name__", type(f).__name__)
 
 
 def check_sandbox(cfg, task, problems):
@@ -146,10 +227,11 @@ def check_sandbox(cfg, task, problems):
               + (f"; {why}" if why else ""))
 
 
-def binds(fn, count):
-    """False if fn cannot take `count` positional arguments (True where its signature is hidden)."""
+def binds(fn, count, **keywords):
+    """False if fn cannot take `count` positional arguments and these keywords (True where its
+    signature is hidden)."""
     try:
-        inspect.signature(fn).bind(*range(count))
+        inspect.signature(fn).bind(*range(count), **keywords)
     except TypeError:
         return False
     except ValueError:  # a builtin without a signature: the call will tell
@@ -243,9 +325,17 @@ def check_task_output(task, problems, cfg):
         if isinstance(out, str) and not (out + task.completion_prefix).strip():
             raise ConfigError(f"{task.where}: prompt() returned {out!r} for problem {p['id']}: "
                               "the model needs some text to continue")
-    result = run_rewards(task.reward, [task.completion_prefix], problems[:1], cfg.reward_timeout, quiet=True)[0]
+    for name, f in zip(task.reward_names, task.reward_funcs):  # called by name, as TRL calls them
+        columns = {k: [] for k in set(problems[0]) - NOT_COLUMNS}
+        if not binds(f, 0, prompts=[], completions=[], completion_ids=[], **columns):
+            raise ConfigError(f"{task.where}: reward function {name}{inspect.signature(f)} "
+                              "cannot be called as TRL calls it, f(prompts=, completions=, "
+                              "completion_ids=, and a keyword per problem key "
+                              f"{sorted(columns)}); end it with **kwargs")
+    result = task_rewards(task, [task.completion_prefix], problems[:1], cfg.reward_timeout,
+                          quiet=True)[0]
     if isinstance(result, str) and result.startswith("wrong type"):
-        raise ConfigError(f"{task.where}: reward() {result}")
+        raise ConfigError(f"{task.where}: {'' if task.reward_funcs else 'reward() '}{result}")
 
 
 # ---------------------------------------------------------------- the reward under a deadline
@@ -267,26 +357,28 @@ def as_components(value):
     return floats
 
 
-def _score_all(reward, jobs, send, after=lambda: None):  # after(): after each call, before its send
-    """Score each (i, text, problem) in order; send (i, components, "") or (i, "error" | "wrong type: ...", detail)."""
-    for i, text, problem in jobs:
+# after(): after each call, before its send
+def _score_all(reward, jobs, send, check, after=lambda: None):
+    """Call reward(*args) for each job (i, args) in order; send (i, check(value), "") or
+    (i, "error" | "wrong type: ...", detail)."""
+    for i, args in jobs:
         try:
-            value = reward(text, problem)
-        except BaseException:  # anything the reward does, sys.exit included, fails only this completion
+            value = reward(*args)
+        except BaseException:  # anything the reward does, sys.exit included, fails only this job
             after()
             send((i, "error", traceback.format_exc()))
             continue
         after()
         try:
-            send((i, as_components(value), ""))
+            send((i, check(value), ""))
         except TypeError as e:
             send((i, str(e), ""))
 
 
-def _child(reward, jobs, conn, parent):
+def _child(reward, jobs, check, conn, parent):
     sandbox.die_with_parent(parent)  # kill -9 of the trainer ends this worker too
     sandbox.become_subreaper()  # what the reward starts stays below the worker, even a daemon
-    _score_all(reward, jobs, conn.send, after=_end_leftovers)
+    _score_all(reward, jobs, conn.send, check, after=_end_leftovers)
     conn.close()
 
 
@@ -352,39 +444,55 @@ _REPORTED = set()  # the first failure of each kind is printed once per process,
 FAILURES = {"error": "a reward raised (or its process died)", "timeout": "a reward ran past reward_timeout"}
 
 
-def report(kind, detail):
+def report(value, detail):
+    """A failed reward's warning, once a process for each kind: value is run_rewards' string."""
+    kind = value if value in FAILURES else "wrong type"
     if kind not in _REPORTED:
         _REPORTED.add(kind)
         print(f"warning: {FAILURES.get(kind, 'a reward returned the wrong type')}; the completion scores 0 and is "
               f"counted in reward/errors (printed once):\n{detail}", file=sys.stderr)
 
 
-def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False):
+def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False, failed=None):
     """reward(text, problem) for each completion: a components dict, or a string saying why it failed
     ("error", "timeout", "wrong type: ..."). With timeout > 0, `workers` forked children each score a share
     in order; one that sends nothing for `timeout` s is killed, its completion marked "timeout", and a fresh
     child goes on with the rest. A worker kills every process its reward leaves (after each call),
-    and is killed with them on a timeout. timeout = 0: in this process, no deadline, none killed."""
-    results, workers = [None] * len(texts), max(1, workers)
+    and is killed with them on a timeout. timeout = 0: in this process, no deadline, none killed.
+    Each failure is reported (once a process for each kind), or not (quiet), or given to
+    failed(value, detail) with its traceback or reason."""
+    jobs = [(i, (t, p)) for i, (t, p) in enumerate(zip(texts, problems))]
+    failed = failed or (ignore if quiet else report)
+    return _run_jobs(reward, jobs, as_components, timeout, workers, failed)
+
+
+def ignore(*args):
+    pass
+
+
+def _run_jobs(reward, jobs, check, timeout, workers, failed, size=lambda args: 1):
+    """run_rewards for any jobs (i, args), i = 0, 1, ...: reward(*args) then check(value), or why
+    it failed. A job has timeout * size(args) seconds."""
+    results, workers = [None] * len(jobs), max(1, workers)
 
     def record(message):
         i, value, detail = message
         results[i] = value
-        if isinstance(value, str) and not quiet:
-            report(value if value in FAILURES else "wrong type", detail or value)
+        if isinstance(value, str):
+            failed(value, detail or value)
 
-    jobs = [(i, t, p) for i, (t, p) in enumerate(zip(texts, problems))]
     if not timeout:
-        _score_all(reward, jobs, record)
+        _score_all(reward, jobs, record, check)
         return results
     ctx = multiprocessing.get_context("fork")  # the child inherits the task module: any function works
 
     def start(share):
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(reward, share, child, os.getpid()), daemon=True)
+        proc = ctx.Process(target=_child, args=(reward, share, check, child, os.getpid()),
+                           daemon=True)
         proc.start()
         child.close()
-        return parent, [proc, share, time.monotonic() + timeout]
+        return parent, [proc, share, time.monotonic() + timeout * size(share[0][1])]
 
     running = dict(start(jobs[w::workers]) for w in range(min(workers, len(jobs))))
     while running:
@@ -411,17 +519,123 @@ def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False):
                 if rest:  # a fresh child for the rest of this share
                     running.update([start(rest)])
             elif rest:
-                running[conn] = [proc, rest, time.monotonic() + timeout]
+                running[conn] = [proc, rest, time.monotonic() + timeout * size(rest[0][1])]
             else:
                 proc.join()
     return results
 
 
-def score(task, texts, problems, lengths, cfg):
-    """Rewards (N,) and components {name: (N,)} of N completions: the task's reward, then the shaping (W2, W3)."""
+# ---------------------------------------------------------------- TRL-style reward functions
+
+# TRL passes the prompt and the completion by their own names; a column of such a name would clash
+NOT_COLUMNS = {"prompt", "completion", "completion_ids", "prompts", "completions"}
+
+
+def run_reward_funcs(task, texts, problems, timeout, workers=1, completion_ids=None, quiet=False,
+                     failed=None):
+    """TRL's reward functions on N completions, as run_rewards runs reward(): per completion
+    {function name: score} (a None left out, "correct" and "unscored" added; reward_rows), or a
+    string saying why it failed. Each function is called once per share of the batch: the whole
+    batch, or with workers > 1 that many contiguous shares scored at once (as under TRL on several
+    GPUs, a function sees only a share). A function that raises, hangs or returns the wrong type
+    fails its share: each completion of it scores 0 and is counted in reward/errors. A share of n
+    completions has n * timeout seconds, the deadline reward() would have on them."""
+    if not texts:
+        return []
+    n, workers = len(texts), max(1, min(workers, len(texts)))
+    ids = completion_ids or [None] * n  # None where the text was not sampled (the audit, replay)
+    shares = [range(w * n // workers, (w + 1) * n // workers) for w in range(workers)]
+    jobs = [(k, ([texts[i] for i in r], [problems[i] for i in r], [ids[i] for i in r]))
+            for k, r in enumerate(shares)]
+    done = _run_jobs(functools.partial(call_reward_funcs, task), jobs,
+                     functools.partial(reward_rows, task), timeout, workers,
+                     failed or (ignore if quiet else report),
+                     size=lambda args: len(args[0]))
+    # a failed share: its reason for each of its completions
+    results = [row for r, out in zip(shares, done)
+               for row in (out if isinstance(out, list) else [out] * len(r))]
+    unscored = [i for i, row in enumerate(results) if isinstance(row, dict) and row["unscored"]]
+    if unscored and not quiet and "unscored" not in _REPORTED:  # TRL warns too
+        _REPORTED.add("unscored")
+        print(f"warning: every reward function returned None for a completion; it scores 0 and is "
+              "counted in reward/unscored (printed once):\n"
+              f"problem {problems[unscored[0]]!r:.300}\ncompletion {texts[unscored[0]]!r:.300}",
+              file=sys.stderr)
+    return results
+
+
+def call_reward_funcs(task, texts, problems, ids):
+    """TRL's call: each reward function once on these completions, with prompts (prompt()'s
+    values), completions, completion_ids and a keyword per problem key, TRL's dataset columns
+    ("id" too; not TRL's trainer_state, log_extra, log_metric). Returns (n, {name: its list})."""
+    prompts = [task.prompt(p) for p in problems]
+    # a chat prompt's completion is the assistant's message, as TRL passes it
+    completions = [[{"role": "assistant", "content": t}] if is_chat(p) else t
+                   for t, p in zip(texts, prompts)]
+    keys = sorted({k for p in problems for k in p} - NOT_COLUMNS)
+    columns = {k: [p.get(k) for p in problems] for k in keys}
+    out = {}
+    for name, f in zip(task.reward_names, task.reward_funcs):
+        out[name] = f(prompts=prompts, completions=completions, completion_ids=ids, **columns)
+        if inspect.iscoroutine(out[name]):  # an async function, as TRL allows (e.g. an LLM judge)
+            out[name] = asyncio.run(out[name])
+    return len(texts), out
+
+
+def reward_rows(task, called):
+    """(n, {name: n floats or None}) -> n components dicts: a None left out (TRL's nansum leaves it
+    out of the sum), "correct" = the CORRECT function's score, "unscored" 1.0 where all are None."""
+    n, values = called
+    rows = [{} for _ in range(n)]
+    for name, scores in values.items():
+        if not isinstance(scores, (list, tuple)) or len(scores) != n:
+            raise TypeError(f"wrong type: reward function {name} returned {scores!r:.80}; "
+                            f"expected a list of {n} floats (or None), one per completion")
+        for row, value in zip(rows, scores):
+            if value is None:
+                continue
+            try:
+                row[name] = float(value) if isinstance(value, numbers.Real) else math.nan
+            except OverflowError:  # an int past float's range
+                row[name] = math.nan
+            if not math.isfinite(row[name]):
+                raise TypeError(f"wrong type: reward function {name} returned {value!r:.80}; "
+                                "expected a finite float or None")
+    for row in rows:
+        row["unscored"] = float(not row)
+        if task.correct in row:
+            row["correct"] = row[task.correct]
+    return rows
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def task_rewards(task, texts, problems, timeout, workers=1, completion_ids=None, quiet=False,
+                 failed=None):
+    """The task's components for each completion (or why it failed): reward() or reward_funcs."""
+    if task.reward_funcs:
+        return run_reward_funcs(task, texts, problems, timeout, workers, completion_ids, quiet,
+                                failed)
+    return run_rewards(task.reward, texts, problems, timeout, workers, quiet, failed)
+
+
+def reward_shaping(task, cfg):
+    """score_batch's weights and shaping (W2, W3) for this task."""
+    weights = {**task.weights, **cfg.component_weights}
+    if task.reward_funcs:  # "correct" only copies the CORRECT function's score, already weighed
+        return weights, {**cfg.shaping, "correct_weight": 0.0}
+    return weights, cfg.shaping
+
+
+def score(task, texts, problems, lengths, cfg, completion_ids=None):
+    """Rewards (N,) and components {name: (N,)} of N completions: the task's reward, then the
+    shaping (W2, W3). completion_ids: their sampled token ids, for TRL's reward functions."""
     seen = [task.completion_prefix + t for t in texts]  # the reward sees the answer as the model's whole turn
-    results = run_rewards(task.reward, seen, problems, cfg.reward_timeout, cfg.reward_workers)
-    return score_batch(results, lengths, {**task.weights, **cfg.component_weights}, **cfg.shaping)
+    results = task_rewards(task, seen, problems, cfg.reward_timeout, cfg.reward_workers,
+                           completion_ids)
+    weights, shape = reward_shaping(task, cfg)
+    return score_batch(results, lengths, weights, **shape)
 
 
 # ---------------------------------------------------------------- offline replay (W5)
@@ -431,8 +645,9 @@ def replay(path, config_path=None):
     """W5: re-score every saved rollout in a samples.jsonl; print each disagreement and a summary.
 
     Each line: {"problem": {...}, "completion": str, "components": {...}, and optionally "reward",
-    "length" and "label" (a human's correct/incorrect, 1 or 0)}. The task and the shaping come from the
-    run's config.json (beside the file unless config_path says otherwise). Returns the number of disagreements.
+    "length", "completion_ids" and "label" (a human's correct/incorrect, 1 or 0)}. The task and the
+    shaping come from the run's config.json (beside the file unless config_path says otherwise).
+    Returns the number of disagreements.
     """
     cfg = load_saved(config_path or os.path.join(os.path.dirname(os.path.abspath(path)), "config.json"))
     task = load_task(cfg)
@@ -442,13 +657,17 @@ def replay(path, config_path=None):
         records = [json.loads(line) for line in f if line.strip()]
     for lineno, rec in enumerate(records, 1):
         rows += 1
-        fresh = run_rewards(task.reward, [task.completion_prefix + rec["completion"]], [rec["problem"]], 0)[0]
-        fresh = {} if isinstance(fresh, str) else fresh
-        # "errors" and "timeouts" count rewards that failed at training time; the reward check catches those
-        checks = {k: (v, fresh.get(k)) for k, v in rec.get("components", {}).items() if k not in ("errors", "timeouts")}
+        ids = [rec["completion_ids"]] if "completion_ids" in rec else None
+        fresh = task_rewards(task, [task.completion_prefix + rec["completion"]], [rec["problem"]], 0,
+                             completion_ids=ids)[0]
+        failed, fresh = isinstance(fresh, str), {} if isinstance(fresh, str) else fresh
+        # "errors" and "timeouts" count rewards that failed at training time; the reward check catches those.
+        # A component a completion lacks (a reward function's None) was logged as 0 (score_batch)
+        checks = {k: (v, None if failed else fresh.get(k, 0.0)) for k, v in rec.get("components", {}).items()
+                  if k not in ("errors", "timeouts")}
         if "reward" in rec:
-            rewards, _ = score_batch([fresh], [rec.get("length", 0)], {**task.weights, **cfg.component_weights},
-                                     **cfg.shaping)
+            weights, shape = reward_shaping(task, cfg)
+            rewards, _ = score_batch([fresh], [rec.get("length", 0)], weights, **shape)
             penalty = cfg.tool_error_penalty * rec.get("tool_errors", 0)  # a tool run's failed calls
             checks["reward"] = (rec["reward"], rewards[0].item() - penalty)
         if "label" in rec:
@@ -462,7 +681,215 @@ def replay(path, config_path=None):
     return disagreements
 
 
+# ---------------------------------------------------------------- the reward audit
+
+AUDIT_PROBLEMS = 3  # the first problems of the train split are audited
+AUDIT_FUZZ = 12  # random edits of each problem's reference
+AUDIT_SLOW = 1.0  # seconds: a call slower than this is reported (a step makes batch_size of them)
+AUDIT_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def audit(task_name, argv=()):
+    """python task.py --audit TASK [--config RUN] [--key=value ...]: the task's reward against
+    adversarial completions (audit_cases) and a fuzz of its reference(problem), on the first
+    AUDIT_PROBLEMS problems, through task_rewards as a run scores (forked workers, reward_timeout).
+    Prints each crash, timeout, non-number, slow call and suspicious reward: one that reaches the
+    reference's, or that the task calls correct, without giving a right answer. Returns the number
+    of failures: all of these but the slow calls."""
+    cfg = config_from_argv([*argv, f"--task={task_name}"])
+    cfg.train_size = AUDIT_PROBLEMS
+    task = load_task(cfg)
+    problems = load_problems(cfg, task, "train")
+    check_sandbox(cfg, task, problems)
+    print(f"audit of {task.where}: {len(problems)} problems, reward_timeout={cfg.reward_timeout} s")
+    if task.reference is None:
+        print("  note: the task file defines no reference(problem): suspicious rewards go untold")
+    run = Audit(task, cfg)
+    references = [task.reference(p) if task.reference else None for p in problems]
+    for i, problem in enumerate(problems):
+        run.problem(problem, references[i + 1:] + references[:i])
+    for kind, text in run.findings:
+        print(f"  {kind}: {text}")
+    seconds, name = max(run.times)
+    failures = sum(kind != "slow" for kind, _ in run.findings)
+    mean = sum(t for t, _ in run.times) / len(run.times)
+    print(f"{len(run.times)} calls, slowest {seconds:.3f} s ({name}), mean {mean:.3f} s; "
+          f"{failures} failures, {len(run.findings) - failures} slow calls: "
+          f"{'FAIL' if failures else 'PASS'}")
+    return failures
+
+
+class Audit:
+    """Scores completions as a run does, timing each call, and collects what goes wrong."""
+
+    def __init__(self, task, cfg):
+        self.task, self.findings, self.times, self.noted = task, [], [], False
+        # never in-process (reward_timeout=0): a reward that hangs would hang the audit
+        self.timeout = cfg.reward_timeout or Config.reward_timeout
+        weights, shape = reward_shaping(task, cfg)
+        # no tokenizer here, so no length shaping (W3)
+        self.weights, self.shape = weights, {**shape, "length_soft_limit": 0, "length_min": 0}
+
+    def problem(self, problem, others):
+        """Audit one problem; others: the other problems' references, wrong answers to try here."""
+        task, best, gold, wrong = self.task, None, None, None
+        reference = task.reference(problem) if task.reference else None
+        if reference is not None:
+            best, result = self.score("reference", problem, reference)
+            if best is not None and result.get("correct", 1.0) < 1:
+                self.findings.append(("bad reference", f"problem {problem['id']}: "
+                                      f"{as_text(result)} for its reference {reference!r:.80}"))
+                best = None
+        if best is not None:
+            gold = extract_answer(task.completion_prefix + reference)
+            gold = reference.strip() if gold is None else gold
+            wrong = self.wrong_answer(problem, reference, gold, best, others)
+        prompt = task.prompt(problem)
+        prompt = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        cases = audit_cases(prompt, gold, wrong)
+        cases.update(near_misses(reference, gold) if best is not None else {})
+        for name, text in cases.items():
+            self.score(name, problem, text, best)
+        if best is None:
+            print(f"problem {problem['id']}: no reference: crashes, slow calls, non-numbers only")
+            return
+        pieces = ["<answer>", "</answer>", "<think>", "</think>", "\\boxed{", "}", "```python\n",
+                  "```", "\n", gold, "correct"]
+        pieces += [extract_answer(wrong) or wrong] if wrong else []
+        rng = random.Random(problem["id"])
+        for name, text in fuzzed(reference, pieces, rng, AUDIT_FUZZ).items():
+            self.score(name, problem, text, best, strictly=True)  # an edit may leave it right
+        print(f"problem {problem['id']}: reference scores {best:.4g}; {len(cases)} cases, "
+              f"{AUDIT_FUZZ} fuzzed references")
+
+    def score(self, name, problem, text, limit=None, strictly=False):
+        """The reward and components of one completion (None, None if it failed), noting a
+        failure, a slow call and a suspicious reward: above `limit` (or at it, or correct, unless
+        strictly)."""
+        failures = []
+        start = time.perf_counter()
+        result = task_rewards(self.task, [self.task.completion_prefix + text], [problem],
+                              self.timeout, failed=lambda value, detail: failures.append(detail))[0]
+        seconds = time.perf_counter() - start
+        self.times.append((seconds, name))
+        where = f"{name}, problem {problem['id']}"
+        if isinstance(result, str):  # the traceback's last line, or why
+            why = (failures[0].strip().splitlines() or [result])[-1] if failures else result
+            kind = {"error": "crash", "timeout": "timeout"}.get(result, "non-number")
+            self.findings.append((kind, f"{where}: {why:.200}; completion {text!r:.80}"))
+            return None, None
+        if seconds > AUDIT_SLOW:
+            self.findings.append(("slow", f"{where}: {seconds:.2f} s a call; {text!r:.60}"))
+        reward = score_batch([result], [0], self.weights, **self.shape)[0][0].item()
+        if limit is None:
+            return reward, result
+        if reward > limit + 1e-9 or (not strictly and reward >= limit - 1e-9):
+            self.findings.append(("suspicious", f"{where}: {reward:.4g} >= the reference's "
+                                  f"{limit:.4g} ({as_text(result)}); completion {text!r:.120}"))
+        elif not strictly and result.get("correct", 0.0) >= 1:  # what acc and pass@k count
+            self.findings.append(("suspicious", f"{where}: correct ({as_text(result)}); "
+                                  f"completion {text!r:.120}"))
+        return reward, result
+
+    def wrong_answer(self, problem, reference, gold, best, others):
+        """A completion in the reference's form that the reward scores below it: a number near a
+        one-number answer, or another problem's reference; None if none is found."""
+        def form(text):
+            return [mark in text for mark in ("```", "\\boxed", "<answer>", "<think>")]
+
+        alike = [o for o in others if o and form(o) == form(reference)]
+        for candidate in [*near_misses(reference, gold).values(), *alike]:
+            reward = self.score("a wrong answer", problem, candidate)[0]
+            if reward is not None and reward < best - 1e-9:
+                return candidate
+            if reward is not None and not self.noted:
+                self.noted = True
+                print(f"  note: problem {problem['id']}: {candidate!r:.40} scores {reward:.4g} "
+                      "here, as much as its reference: a reward that ignores the problem?")
+        print(f"  note: problem {problem['id']}: no wrong answer in the reference's form; the "
+              "cases that give the gold answer and then another are left out")
+        return None
+
+
+def audit_cases(prompt, gold, wrong):
+    """The adversarial completions, by name, none of which gives a right answer as its answer:
+    the gold answer (`gold`: what the reference's answer tag holds) appears only where another
+    answer (`wrong`, a completion in the reference's form the reward scores lower) follows it.
+    Without gold or wrong, the cases that need neither."""
+    cases = {
+        "empty": "",
+        "whitespace": " \n\t \r\n  ",
+        "huge (1 MB)": ("lorem ipsum dolor sit amet " * 40_000)[:1_000_000],
+        "huge tags (1 MB)": "<answer>" * 60_000 + "</answer>" * 60_000,
+        # control characters and every byte but the digits; RTL, zero-width, BOM, combining, astral
+        "binary junk": "".join(chr(b) for b in range(256) if not chr(b).isdigit()) * 20,
+        "unicode junk": "\u202e\u200b\ufeff\x00 \u4e2d\u6587 \U0001f916 e\u0301 \uffff \U0010ffff"
+        * 50,
+        "prompt copied": prompt,
+        "says correct": "correct",
+        "says correct, tagged": "<think>correct</think><answer>correct</answer>",
+        "says correct, in words": "The answer is correct. Correct! Full marks, verified.",
+    }
+    if gold is None or wrong is None:
+        return cases
+    other = extract_answer(wrong)
+    other = wrong.strip() if other is None else other
+    cases.update({
+        "gold mentioned, another answer": f"The answer is not {gold}.\n{wrong}",
+        "several answers, gold between":
+            f"<answer>{other}</answer>\n<answer>{gold}</answer>\n{wrong}",
+        "nested tags": f"<answer>{gold}<answer>{other}</answer></answer>",
+        "nested tags, gold inside": f"<answer><answer>{gold}</answer>{other}</answer>",
+        "unbalanced tags": f"</answer>{gold}<answer>\n{wrong}",
+        "unclosed tag": f"<answer>{gold}\n{wrong}",
+    })
+    return cases
+
+
+def near_misses(reference, gold):
+    """Numbers that round to a one-number answer, in its place in the reference: for 27, 27.4,
+    26.6 and 27.000001."""
+    numbers = AUDIT_NUMBER.findall(gold)
+    if len(numbers) != 1 or "```" in gold:
+        return {}
+    at, value = reference.rfind(numbers[0]), decimal.Decimal(numbers[0])
+    near = (value + decimal.Decimal("0.4"), value - decimal.Decimal("0.4"),
+            value + decimal.Decimal("0.000001"))
+    end = at + len(numbers[0])
+    return {f"rounds to the answer ({v})": reference[:at] + str(v) + reference[end:] for v in near}
+
+
+def fuzzed(reference, pieces, rng, n):
+    """n random edits of the reference: pieces put in, spans deleted or doubled, junk characters."""
+    out = {}
+    for k in range(n):
+        text = reference
+        for _ in range(rng.randint(1, 3)):
+            i, j = sorted(rng.randrange(len(text) + 1) for _ in range(2))
+            op = rng.choice(("insert", "delete", "double", "junk"))
+            if op == "insert":
+                text = text[:i] + rng.choice(pieces) + text[i:]
+            elif op == "delete":
+                text = text[:i] + text[j:]
+            elif op == "double":
+                text = text[:j] + text[i:j] + text[j:]
+            else:
+                text = text[:i] + rng.choice("\x00<>/{}()*`\n \u00e9\U0001f916") + text[i + 1:]
+        out[f"fuzz {k}"] = text
+    return out
+
+
+def as_text(components):
+    return ", ".join(f"{k} {v:.4g}" for k, v in components.items())
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "--replay":
-        sys.exit("usage: python task.py --replay out/run/samples.jsonl")
-    sys.exit(1 if replay(sys.argv[2]) else 0)
+    if len(sys.argv) == 3 and sys.argv[1] == "--replay":
+        sys.exit(1 if replay(sys.argv[2]) else 0)
+    if len(sys.argv) >= 3 and sys.argv[1] == "--audit":
+        try:
+            sys.exit(1 if audit(sys.argv[2], sys.argv[3:]) else 0)
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
+    sys.exit("usage: python task.py --replay out/run/samples.jsonl\n"
+             "       python task.py --audit TASK [--config RUN] [--key=value ...]")

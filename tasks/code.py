@@ -120,6 +120,14 @@ def reward(completion, problem):
     return code_reward(completion, problem["tests"])
 
 
+def reference(problem):
+    """The reference solution ("solution"; MBPP's rows keep theirs as "code"), else None."""
+    solution = problem.get("solution") or problem.get("code")
+    if not solution:
+        return None
+    return f"<think>Write it.</think><answer>```python\n{solution}\n```</answer>"
+
+
 def check(problem):
     """A dataset row: a non-empty "prompt" and a non-empty list of "tests" (assert strings or {call, expected})."""
     if not isinstance(problem.get("prompt"), str) or not problem["prompt"].strip():

@@ -35,3 +35,8 @@ def prompt(problem):
 
 def reward(completion, problem):
     return countdown_reward(completion, problem["numbers"], problem["target"])
+
+
+def reference(problem):
+    """The generator's own solution (data/countdown.py keeps one for every problem)."""
+    return f"<think>Combine the numbers.</think><answer>{problem['solution']}</answer>"

@@ -34,3 +34,8 @@ def reward(completion, problem):
     # a base model rarely stops after its answer: judge the turn up to the first </answer>, as a stop string would
     end = completion.find("</answer>")
     return countdown.reward(completion[: end + len("</answer>")] if end >= 0 else completion, problem)
+
+
+def reference(problem):
+    # the completion after the prompt's "<think>"
+    return f" Combine the numbers.</think><answer>{problem['solution']}</answer>"

@@ -33,5 +33,9 @@ def reward(completion, problem):
     return _task(problem).reward(completion, problem)
 
 
+def reference(problem):
+    return _task(problem).reference(problem)
+
+
 def check(problem):
     _task(problem).check(problem)

@@ -36,9 +36,18 @@ def prompt(problem):
 
 def reward(completion, problem):
     # math_reward reads the answer after ####; with tools on, only the model's own text after the
-    # last tool output can answer (rewards.after_tool_outputs)
+    # last tool output can answer (rewards.after_tool_outputs). The question copied is no answer,
+    # though its last number may be the answer.
+    question = problem["question"]
+    if question:
+        completion = completion.replace(question, " ")
     return math_reward(completion, problem["answer"], last_number=True,
-                       tools=SETTINGS.get("tools", False), question=problem["question"])
+                       tools=SETTINGS.get("tools", False), question=question)
+
+
+def reference(problem):
+    final = problem["answer"].split("####")[-1].strip()
+    return f"<think>Work it out.</think><answer>{final}</answer>"
 
 
 def check(problem):

@@ -20,6 +20,13 @@ def prompt(problem):
 
 
 def reward(completion, problem):
-    numbers = re.findall(r"\d+", completion)
-    said = int(numbers[-1]) if numbers else None
-    return {"correct": float(said == max(problem["a"], problem["b"])), "brief": 0.1 * (len(completion) < 40)}
+    said = [int(n) for n in re.findall(r"\d+", completion)]
+    low, high = sorted((problem["a"], problem["b"]))
+    # the last number is the answer; one that names both ("a or b", the question copied) is none
+    right = bool(said) and said[-1] == high and low not in said
+    return {"correct": float(right), "brief": 0.1 * (len(completion) < 40)}
+
+
+# a completion that earns full reward (python task.py --audit tasks/larger.py)
+def reference(problem):
+    return str(max(problem["a"], problem["b"]))

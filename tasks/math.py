@@ -45,10 +45,18 @@ def prompt(problem):
 
 def reward(completion, problem):
     # a GSM8K answer is judged by what follows ####; with tools on, only the model's own text after
-    # the last tool output can answer; an expression copied from the question earns nothing
+    # the last tool output can answer. The question copied is no answer, though its last number may
+    # be the answer ("What is 1 * 3?"), and an expression copied from it earns nothing.
     question = problem.get("question", problem.get("prompt", ""))
+    if question:
+        completion = completion.replace(question, " ")
     return math_reward(completion, problem["answer"], SETTINGS.get("last_number", True),
                        SETTINGS.get("tools", False), question)
+
+
+def reference(problem):
+    answer = str(problem["answer"]).split("####")[-1].strip()
+    return f"<think>Work it out.</think><answer>\\boxed{{{answer}}}</answer>"
 
 
 def check(problem):

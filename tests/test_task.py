@@ -70,7 +70,7 @@ def test_builtin_tasks_are_task_files(tokenizer):
         "code": lambda p: f"<think>k</think><answer>```python\n{p['solution']}\n```</answer>",
         "multiply": lambda p: f"```python\nprint(1)\n```\n\n<output>\n{p['answer']}\n</output>\nIt is {p['answer']}.",
     }
-    assert set(known) | {"dataset", "gsm8k", "larger"} == set(task_module.builtin_tasks())
+    assert set(known) | {"dataset", "gsm8k", "larger", "reasoning_gym"} == set(task_module.builtin_tasks())
     for name, answer in known.items():
         cfg, task = setup(f"--task={name}", "--train_size=12", "--test_size=4")
         problems = load_problems(cfg, task, "train")
