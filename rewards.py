@@ -268,6 +268,26 @@ def math_reward(text, answer, last_number=False, tools=False):
     return out
 
 
+def math_answer(text, last_number=False, tools=False):
+    """The answer math_reward judges, as a key for a majority vote (maj@n), or None: a number as its
+    exact value ('0.50', '\\frac{1}{2}', '\\boxed{1/2}' -> '1/2'; a fraction not in lowest terms, which
+    math_reward rejects, keeps its own key), anything else as normalize_math's text. Same settings.
+    """
+    own = after_tool_outputs(text) if tools else text
+    tagged = extract_answer(own)
+    given = last_boxed(tagged if tagged is not None else before_unclosed_think(own))
+    if given is None:
+        given = tagged
+    if given is None and last_number:
+        numbers = LAST_NUMBER.findall(before_unclosed_think(own)[-2000:])
+        given = numbers[-1].replace(",", "") if numbers else None
+    if not given or len(given) > MAX_ANSWER_CHARS:
+        return None
+    got = normalize_math(given)
+    value = as_fraction(got)
+    return str(value) if value is not None and in_lowest_terms(got) else got
+
+
 # ---------------------------------------------------------------- code (W1)
 
 

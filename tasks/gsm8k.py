@@ -7,7 +7,7 @@ The problems are the dataset's rows (no problems() here: data_path supplies them
 the completion's final answer with the number after ####, exactly (rewards.math_reward).
 """
 
-from rewards import math_reward
+from rewards import math_answer, math_reward
 
 PROMPT = (
     "{question}\nThink step by step inside <think> </think> tags, then give only the final number inside "
@@ -22,6 +22,11 @@ def prompt(problem):
 def reward(completion, problem):
     final = problem["answer"].split("####")[-1].strip().replace(",", "")  # "#### 1,234" -> "1234"
     return math_reward(completion, final, last_number=True)
+
+
+def answer(completion, problem):
+    """The final number the reward judges, for maj@n."""
+    return math_answer(completion, last_number=True)
 
 
 def check(problem):

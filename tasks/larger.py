@@ -23,3 +23,8 @@ def reward(completion, problem):
     numbers = re.findall(r"\d+", completion)
     said = int(numbers[-1]) if numbers else None
     return {"correct": float(said == max(problem["a"], problem["b"])), "brief": 0.1 * (len(completion) < 40)}
+
+
+def answer(completion, problem):  # optional: the number said, for the eval's majority vote (maj@n)
+    numbers = re.findall(r"\d+", completion)
+    return str(int(numbers[-1])) if numbers else None
