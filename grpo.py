@@ -851,14 +851,25 @@ def eval_table(eval_sets, metrics, task_name):
         own = {k[len(prefix) :]: v for k, v in metrics.items()
                if k.startswith(prefix) and "/" not in k[len(prefix) :]}
         rows.append([split.name or f"{task_name} (test split)", str(len(split.problems)), own])
-    columns = list(dict.fromkeys(k for *_, own in rows for k in own))  # in order of appearance
-    header = ["eval set", "problems", *columns]
-    cells = [[name, count, *(("-" if k not in own else f"{own[k]:.1f}" if k == "response_length"
-                              else f"{own[k]:.3f}") for k in columns)] for name, count, own in rows]
-    widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
-    lines = [[c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
-             for r in [header, *cells]]
+    # in the order of the set with the most metrics; mean_correct_sampled is avg@n again, and
+    # eval/updates (the training loop's) no set's
+    fullest = sorted(rows, key=lambda row: -len(row[2]))
+    columns = [k for k in dict.fromkeys(k for *_, own in fullest for k in own)
+               if k not in ("mean_correct_sampled", "updates")]
+    table = [["eval set", "problems", *columns]]
+    for name, count, own in rows:
+        table.append([name, count, *(table_cell(own, k) for k in columns)])
+    widths = [max(map(len, column)) for column in zip(*table)]
+    lines = [[row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+             for row in table]
     return "\n".join("  ".join(line) for line in lines)
+
+
+def table_cell(metrics, key):
+    """A metric as eval_table shows it: a length to 0.1 token, a share to 0.001; "-" if missing."""
+    if key not in metrics:
+        return "-"
+    return f"{metrics[key]:.1f}" if key == "response_length" else f"{metrics[key]:.3f}"
 
 
 def eval_only(cfg, engine, policy, eval_sets):

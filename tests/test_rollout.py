@@ -301,6 +301,24 @@ def test_tool_turns_stop_at_the_tasks_strings_and_at_the_close_tag_while_a_call_
     assert [g[0].tool_calls for g in groups] == [1, 0]
 
 
+def test_a_task_files_stop_strings_and_answer_are_read_and_checked(tmp_path):
+    """STOP: a list of non-empty strings (the base-model Countdown task stops at </answer>); answer(): a
+    function of (completion, problem). Anything else fails as the task loads, naming the file."""
+    from config import ConfigError
+    from task import load_task
+
+    assert load_task(load_config(overrides=["--task=countdown_base"])).stop == ["</answer>"]
+    assert load_task(load_config(overrides=["--task=countdown"])).stop == []
+    plain = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tasks", "larger.py")).read()
+    for extra, message in (('STOP = "</answer>"', "STOP = '</answer>'; it must be a list of non-empty strings"),
+                           ('STOP = ["</answer>", ""]', "it must be a list of non-empty strings"),
+                           ("def answer(completion):\n    return None", "answer must be a function answer")):
+        path = tmp_path / "mine.py"
+        path.write_text(plain + "\n" + extra + "\n")
+        with pytest.raises(ConfigError, match=f"task file {path}: .*{message}"):
+            load_task(load_config(overrides=[f"--task={path}"]))
+
+
 @requires_vllm
 def test_vllm_parity_with_untied_embeddings(tiny, tmp_path):
     # Last of the tests on an in-process engine: vLLM keeps its parallel groups in process-global state, and
