@@ -962,10 +962,12 @@ def load_eval_tasks(cfg):
             task = load_task(own)
             problems = load_problems(own, task, "eval")
         except ValueError as e:  # a ConfigError, or a malformed row (DataError)
-            # a task that reads a dataset (gsm8k) has no problems of its own to evaluate on
-            hint = ("; name its data file instead (tasks/dataset.py scores math and code rows)"
-                    if "problems(split, n, seed)" in str(e) else "")
-            raise ConfigError(f"eval_tasks: {spec}: {e}{hint}") from None
+            if "problems(split, n, seed)" in str(e):  # a task that reads a dataset, as gsm8k
+                raise ConfigError(f"eval_tasks: {spec} has no problems() of its own (it reads "
+                                  "data_path, which is the training task's); name the data file "
+                                  "itself, e.g. eval_tasks=data/gsm8k_test.jsonl (tasks/dataset.py "
+                                  "scores its math and code rows)") from None
+            raise ConfigError(f"eval_tasks: {spec}: {e}") from None
         check_sandbox(own, task, problems)  # an eval set's code runs sandboxed too
         check_task_output(task, problems, own)
         sets.append((name, task, problems))

@@ -269,9 +269,9 @@ def math_reward(text, answer, last_number=False, tools=False):
 
 
 def math_answer(text, last_number=False, tools=False):
-    """The answer math_reward judges, as a key for a majority vote (maj@n), or None: a number as its
-    exact value ('0.50', '\\frac{1}{2}', '\\boxed{1/2}' -> '1/2'; a fraction not in lowest terms, which
-    math_reward rejects, keeps its own key), anything else as normalize_math's text. Same settings.
+    """The answer math_reward judges, as a key for a majority vote (maj@n), or None: a number as
+    its exact value ('0.50', '\\frac{1}{2}', '\\boxed{1/2}' -> '1/2'; a fraction not in lowest
+    terms, which math_reward rejects, keeps its own key), anything else as normalize_math's text.
     """
     own = after_tool_outputs(text) if tools else text
     tagged = extract_answer(own)

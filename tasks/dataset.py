@@ -33,7 +33,7 @@ def reward(completion, problem):
     return _task(problem).reward(completion, problem)
 
 
-def answer(completion, problem):  # maj@n: a math row's final answer; a code row gives none (no vote)
+def answer(completion, problem):  # maj@n: a math row's final answer; a code row casts no vote
     return math_task.answer(completion, problem) if _task(problem) is math_task else None
 
 

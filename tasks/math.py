@@ -44,7 +44,7 @@ def reward(completion, problem):
 
 
 def answer(completion, problem):
-    """The final answer the reward judges, for maj@n: a number as its exact value ("0.5" = "1/2")."""
+    """The final answer the reward judges, for maj@n: a number as its value ("0.5" = "1/2")."""
     return math_answer(completion, SETTINGS.get("last_number", True), SETTINGS.get("tools", False))
 
 

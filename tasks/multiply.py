@@ -39,7 +39,8 @@ def reward(completion, problem):
 
 
 def answer(completion, problem):
-    """The last number the model itself writes (never one the tool printed, even in an output cut short)."""
+    """The last number the model itself writes (never one the tool printed, even in an output cut
+    short): the answer the reward judges, and maj@n's vote."""
     own = after_tool_outputs(completion)
     digits = "".join(ch if ch.isdigit() else " " for ch in own.replace(",", "")).split()
     return str(int(digits[-1])) if digits else None

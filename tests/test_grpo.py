@@ -784,8 +784,9 @@ def test_init_from_is_the_reference_so_the_first_kl_is_zero(tmp_path, lora):
 
 
 def test_training_and_eval_generate_with_the_tasks_stop_strings(tmp_path):
-    """A task file's STOP reaches every generate call, training's and eval's: a completion that holds the
-    string ends with the token that completes it, kept, and is not truncated; the others hold none."""
+    """A task file's STOP reaches every generate call, training's and eval's: a completion that
+    holds the string ends with the token that completes it, kept, not truncated; others hold
+    none."""
     task = tmp_path / "stops.py"
     task.write_text(open(os.path.join(ROOT, "tasks", "digits.py")).read() + '\nSTOP = ["e"]\n')
     calls = []
@@ -802,10 +803,12 @@ def test_training_and_eval_generate_with_the_tasks_stop_strings(tmp_path):
         engine.generate = recorded
         return engine
 
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path / 'out'}", "--engine=hf",
-               f"--task={task}", "--max_steps=1", "--eval_every=0", "--test_size=4"], wrap_engine=spy)
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path / 'out'}",
+               "--engine=hf", f"--task={task}", "--max_steps=1", "--eval_every=0", "--test_size=4"],
+              wrap_engine=spy)
     tokenizer, *calls = calls
-    assert [stop for stop, _ in calls] == [["e"]] * 3  # the step's rollouts, then the greedy and sampled eval
+    # the step's rollouts, then the greedy and the sampled eval
+    assert [stop for stop, _ in calls] == [["e"]] * 3
     completions = [c for _, cs in calls for c in cs]
     assert any(c.stop_string == "e" for c in completions) and any(c.truncated for c in completions)
     for c in completions:
