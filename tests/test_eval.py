@@ -78,6 +78,24 @@ def test_majority_vote_ties_and_missing_answers():
     assert grpo.majority_correct(["7", "7", "3"], [0, 1, 0]) == 0.0
 
 
+def test_the_tasks_answers_vote_on_the_final_answer_their_reward_judges():
+    """math: a number by its value, "0.5" and "\\frac{1}{2}" alike; a fraction not in lowest terms
+    (which the reward rejects) apart. gsm8k, larger, multiply: the last number (multiply: the
+    model's own, after the tool's output). Countdown: none (two right equations differ)."""
+    def answers(name, *texts):
+        task = load_task(load_config(overrides=[f"--task={name}", "--data_path=rows.jsonl"]))
+        return [task.answer(t, {}) for t in texts]
+
+    assert answers("math", "<answer>\\boxed{\\frac{1}{2}}</answer>", "<answer>0.50</answer>",
+                   "<answer>4/6</answer>", "<think>so 7</think><answer></answer>",
+                   "it is 1,234") == ["1/2", "1/2", "4/6", None, "1234"]
+    assert answers("gsm8k", "<answer>18</answer>", "so 1,000 eggs", "none") == ["18", "1000", None]
+    assert answers("larger", "412 or 077", "no") == ["77", None]
+    tool_said = "```python\nprint(2*3)\n```\n<output>\n6\n</output>\n"
+    assert answers("multiply", tool_said, tool_said + "The answer is 6.") == [None, "6"]
+    assert load_task(load_config(overrides=["--task=countdown"])).answer is None
+
+
 # ---------------------------------------------------------------- evaluate(), scripted completions
 
 TOY = '''
