@@ -39,7 +39,10 @@ class Config:
     save_every: int = 10  # checkpoint every N steps (and always at the end); 0 = only at the end
     keep_checkpoints: int = 2  # keep the newest K checkpoint folders
     eval_every: int = 10  # M2: evaluate before every N-th update (step 0: the base model) and at the end; 0 = end only
-    eval_k: int = 4  # M2: samples per test prompt for pass@k (pass@1 is greedy)
+    # pass@k (Chen et al. 2021) for every k <= n up to n = 8, else the powers of 2 below n, and n
+    eval_n: int = 4  # M2: samples per eval problem at the training temperature: avg@n pass@k maj@n
+    # each logged as eval/<name>/... (its file's or task's name), beside the training task's test
+    eval_tasks: str = ""  # M2: more eval sets, e.g. "gsm8k_test.jsonl,tasks/larger.py"; "" = none
     sample_every: int = 10  # W6: dump whole groups to out_dir/samples.jsonl every N steps; 0 = off
     sample_groups: int = 2  # W6: groups per dump
     max_nonfinite: int = 5  # L6: stop after this many non-finite losses or grad norms in a row (each skips the step)
@@ -221,6 +224,7 @@ LOSS_SETTINGS = ("clip_eps", "clip_eps_high", "loss_agg", "max_completion_len", 
 REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "length_soft_limit",
                "length_penalty", "length_penalty_tokens", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
+RENAMED = {"eval_k": ("eval_n", "samples per eval problem, for avg@n, pass@k and maj@n")}
 CHOICES = {
     "adv_scale": ("group", "batch", "none"),
     "adv_baseline": ("mean", "leave-one-out"),
@@ -385,6 +389,9 @@ def parse_value(name, text, default):
 
 
 def _check_name(name, where):
+    if name in RENAMED:
+        new, what = RENAMED[name]
+        raise ConfigError(f"{where}: '{name}' is now '{new}' ({what}); write {new} instead")
     if name in DERIVED:
         raise ConfigError(f"{where}: '{name}' is derived from other settings and cannot be set")
     if name not in Config.__dataclass_fields__:
@@ -532,7 +539,8 @@ def validate(cfg):
         raise ConfigError(f"kl_low={cfg.kl_low} must be below kl_high={cfg.kl_high} (F2)")
     for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations", "mini_batches", "kl_window",
                  "train_size",
-                 "eval_k", "max_nonfinite", "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha", "push_bucket_mb",
+                 "eval_n", "max_nonfinite", "keep_checkpoints", "vllm_cpu_kv_cache_gb",
+                 "lora_alpha", "push_bucket_mb",
                  "test_size", "countdown_max_number", "countdown_max_target", "math_max_number",
                  "length_penalty_tokens", "max_tool_calls", "tool_output_chars"):
         if getattr(cfg, name) < 1:

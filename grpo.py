@@ -31,6 +31,8 @@ The optional machinery sits behind one setting each, read second: tools.py (tool
 prompt once, chunked and fused logprobs, the CPU settings).
 """
 
+import collections
+import copy
 import functools
 import glob
 import json
@@ -40,6 +42,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +101,7 @@ class Split:
     task: object  # task.Task
     problems: list  # problem dicts
     prompt_ids: list  # one list of token ids per problem
+    name: str = ""  # an eval_tasks set's name (eval/<name>/...); "" for the training task's
 
 
 @dataclass
@@ -189,8 +193,11 @@ class Rollouts:
 def generate_and_score(engine, train, idx, seeds, cfg, temperature):
     """G completions for each prompt index in idx, scored by the task's reward (W1)."""
     prompts = [train.prompt_ids[i] for i in idx]
+    # the task's STOP ends a completion at its answer (kept in it): a base model does not sample
+    # to max_completion_len past it and train on that with the answer's advantage
     groups = engine.generate(prompts, cfg.group_size, seeds=seeds, temperature=temperature,
                              top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
+                             stop=train.task.stop or None,
                              progress=sys.stdout.isatty())  # a progress bar on a terminal
     # cheap, and a silent mix-up would be costly
     if any(g[0].prompt_ids != p for g, p in zip(groups, prompts)):
@@ -694,78 +701,206 @@ def warn_on_parity(metrics, cfg, step, next_warning):
 # ---------------------------------------------------------------- eval (M2)
 
 
+def pass_at_k(n, c, k):
+    """The unbiased pass@k of Chen et al. 2021 (the Codex paper): the chance that k samples drawn
+    without replacement from n, of which c are correct, hold a correct one.
+
+        pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod over i = n - c + 1 .. n of (1 - k / i)
+
+    The product is the paper's numerically stable form: it never forms the binomials, which outgrow
+    a float past n ~ 1000. The plug-in 1 - (1 - c / n)^k often written instead is biased.
+    Example: n = 5, c = 2 -> pass@1 = 0.4, pass@2 = 0.7, pass@5 = 1.0; c = 0 -> 0.0 for every k.
+    """
+    if n - c < k:  # every k of the n hold a correct one
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_ks(n):
+    """The k of the pass@k logged from n samples: every k <= n up to n = 8; above, the powers of 2
+    below n and n itself (n = 100: 1, 2, 4, ..., 64, 100)."""
+    if n <= 8:
+        return list(range(1, n + 1))
+    return [2**i for i in range(n.bit_length()) if 2**i < n] + [n]
+
+
+def majority_correct(answers, correct):
+    """maj@n of one problem: is the most common answer among its n samples a correct one?
+
+    answers: each sample's final answer (task.answer), None where it gave none (no vote); correct:
+    each sample's 1/0. An answer is as correct as the first sample that gave it. A tie scores the
+    share of the tied answers that are correct: the expected maj@n of breaking it at random. No
+    vote at all scores 0.
+    Example: ["7", "7", "3", None], [1, 1, 0, 0] -> 1.0;  ["7", "3", "3", "7"], [1, 0, 0, 1] -> 0.5.
+    """
+    votes = collections.Counter(a for a in answers if a is not None)
+    if not votes:
+        return 0.0
+    first = {}
+    for a, ok in zip(answers, correct):
+        if a is not None:
+            first.setdefault(a, float(ok))
+    top = max(votes.values())
+    tied = [a for a, count in votes.items() if count == top]
+    return sum(first[a] for a in tied) / len(tied)
+
+
+def task_answers(task, texts, problems):
+    """task.answer(completion, problem) of each completion, as a string; None where it gives none or
+    raises (that completion casts no maj@n vote)."""
+    out = []
+    for text, problem in zip(texts, problems):
+        try:
+            value = task.answer(task.completion_prefix + text, problem)  # what the reward sees
+        except Exception as e:  # a parser's bug costs votes, not the run
+            warnings.warn(f"{task.where}: answer() raised {type(e).__name__}; that completion "
+                          "casts no maj@n vote")
+            value = None
+        out.append(None if value is None else str(value))
+    return out
+
+
+def sampled_metrics(test, sampled, cfg):
+    """avg@n, pass@k (for each k of pass_ks) and, where the task defines answer(), maj@n, from n
+    samples per problem.
+
+    avg@n is the mean "correct", a share counted as it is (the code task's share of tests passed);
+    pass@k and maj@n count a sample correct where "correct" >= 1. mean_correct_sampled is avg@n's
+    older name, kept for the plots and tables that read it.
+    """
+    n = cfg.eval_n
+    flat = [c for g in sampled for c in g]
+    texts = [c.text for c in flat]
+    problems = [p for p in test.problems for _ in range(n)]
+    _, comps = score(test.task, texts, problems, [len(c.completion_ids) for c in flat], cfg,
+                     [c.completion_ids for c in flat])
+    correct = comps.get("correct", torch.zeros(len(flat))).view(-1, n)  # (problems, n)
+    right = (correct >= 1).int().tolist()
+    out = {f"avg@{n}": correct.mean().item(), "mean_correct_sampled": correct.mean().item()}
+    for k in pass_ks(n):
+        out[f"pass@{k}"] = sum(pass_at_k(n, sum(row), k) for row in right) / len(right)
+    if test.task.answer is not None:
+        answers = task_answers(test.task, texts, problems)
+        votes = [majority_correct(answers[i * n : (i + 1) * n], row) for i, row in enumerate(right)]
+        out[f"maj@{n}"] = sum(votes) / len(votes)
+    return out
+
+
 def evaluate(engine, test, cfg, seed):
-    """pass@1 with greedy decoding, pass@k from k samples at the training temperature, format.
+    """M2 on one eval set: pass@1 with greedy decoding; avg@n, pass@k and maj@n from n = eval_n
+    samples per problem at the training temperature (sampled_metrics); format.
 
     reward: the greedy answers' mean shaped reward. parsed: the share of greedy answers given in a
-    tag or a box (what unparsed_penalty rewards). pass@k, format and parsed need the task to report
-    "correct", "format", "parsed". Returns (metrics, greedy completion texts). Under torchrun every
-    rank evaluates the whole test set alike (FSDP keeps the ranks in step); rank 0 logs it.
+    tag or a box (what unparsed_penalty rewards). The accuracies need the task to report "correct",
+    format and parsed "format" and "parsed". Keys: eval/... for the training task's test split,
+    eval/<name>/... for a set of eval_tasks. Returns (metrics, greedy completion texts). Under
+    torchrun every rank evaluates the whole set alike (FSDP keeps the ranks in step); rank 0 logs
+    it.
     """
-    k = cfg.eval_k
-    prompts = test.prompt_ids
-    # the eval stream's own seeds, the same at every eval: evals differ by the weights alone
-    seeds = row_seeds((seed, "eval"), 0, len(prompts), k)
-    greedy = engine.generate(prompts, 1, seeds=seeds[::k], temperature=0.0, top_p=1.0, top_k=-1,
-                             max_tokens=cfg.max_completion_len)
+    n, prompts, stop = cfg.eval_n, test.prompt_ids, test.task.stop or None
+    # each set's own seeds, the same at every eval: evals differ by the weights alone
+    stream = (seed, "eval", test.name) if test.name else (seed, "eval")
+    seeds = row_seeds(stream, 0, len(prompts), n)
+    greedy = engine.generate(prompts, 1, seeds=seeds[::n], temperature=0.0, top_p=1.0, top_k=-1,
+                             max_tokens=cfg.max_completion_len, stop=stop)
     texts = [g[0].text for g in greedy]
     lengths = [len(g[0].completion_ids) for g in greedy]
     rewards, comps = score(test.task, texts, test.problems, lengths, cfg,
                            [g[0].completion_ids for g in greedy])
     # every rank generates the same calls whatever the rewards say (FSDP's HF engine: lockstep)
-    sampled = engine.generate(prompts, k, seeds=seeds, temperature=cfg.temperature,
-                              top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len)
-    flat = [c for g in sampled for c in g]
-    problems = [p for p in test.problems for _ in range(k)]
-    _, sampled_comps = score(test.task, [c.text for c in flat], problems,
-                             [len(c.completion_ids) for c in flat], cfg,
-                             [c.completion_ids for c in flat])
-    out = {"eval/reward": rewards.mean().item()}
+    sampled = engine.generate(prompts, n, seeds=seeds, temperature=cfg.temperature,
+                              top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
+                              stop=stop)
+    out = {"reward": rewards.mean().item()}
     if "correct" in comps:
-        correct = sampled_comps.get("correct", torch.zeros(len(flat)))
-        out["eval/pass@1_greedy"] = (comps["correct"] >= 1).float().mean().item()
-        out[f"eval/pass@{k}"] = (correct.view(-1, k) >= 1).any(dim=1).float().mean().item()
-        out["eval/mean_correct_sampled"] = correct.mean().item()
+        out["pass@1_greedy"] = (comps["correct"] >= 1).float().mean().item()
+        out.update(sampled_metrics(test, sampled, cfg))
     for name in ("format", "parsed"):
         if name in comps:
-            out[f"eval/{name}"] = comps[name].mean().item()
-    out["eval/response_length"] = sum(lengths) / len(greedy)
+            out[name] = comps[name].mean().item()
+    out["response_length"] = sum(lengths) / len(greedy)
     if cfg.tools:  # the greedy answers that called the tool
-        out["eval/tools/share_using"] = sum(g[0].tool_calls > 0 for g in greedy) / len(greedy)
-    return out, texts
+        out["tools/share_using"] = sum(g[0].tool_calls > 0 for g in greedy) / len(greedy)
+    prefix = f"eval/{test.name}/" if test.name else "eval/"
+    return {prefix + k: v for k, v in out.items()}, texts
 
 
-def eval_due(engine, test, cfg, step):
+def evaluate_all(engine, eval_sets, cfg):
+    """evaluate() on each set, the training task's test split first: (all their metrics, {set's
+    name: its greedy completion texts})."""
+    metrics, texts = {}, {}
+    for split in eval_sets:
+        found, texts[split.name] = evaluate(engine, split, cfg, seed=cfg.seed)
+        metrics.update(found)
+    return metrics, texts
+
+
+def eval_due(engine, eval_sets, cfg, step):
     """M2 before the step's update every eval_every steps (step 0: the base model); the last one
     comes in end_step."""
     if not cfg.eval_every or step % cfg.eval_every or step >= cfg.max_steps - 1:
         return {}
     start = time.perf_counter()
-    metrics = evaluate(engine, test, cfg, seed=cfg.seed)[0]
+    metrics = evaluate_all(engine, eval_sets, cfg)[0]
     return {**metrics, "eval/updates": step, "time/eval": time.perf_counter() - start}
 
 
-def eval_only(cfg, engine, policy, test):
-    """M2 on the weights as they are (the model, or init_from): print, append to eval.jsonl."""
+def eval_table(eval_sets, metrics, task_name):
+    """eval_only's summary: a row per eval set, a column per metric ("-" where a set has none)."""
+    rows = []
+    for split in eval_sets:
+        prefix = f"eval/{split.name}/" if split.name else "eval/"
+        # a set's own metrics; under the plain prefix, not another set's eval/<name>/...
+        own = {k[len(prefix) :]: v for k, v in metrics.items()
+               if k.startswith(prefix) and "/" not in k[len(prefix) :]}
+        rows.append([split.name or f"{task_name} (test split)", str(len(split.problems)), own])
+    # in the order of the set with the most metrics; mean_correct_sampled is avg@n again, and
+    # eval/updates (the training loop's) no set's
+    fullest = sorted(rows, key=lambda row: -len(row[2]))
+    columns = [k for k in dict.fromkeys(k for *_, own in fullest for k in own)
+               if k not in ("mean_correct_sampled", "updates")]
+    table = [["eval set", "problems", *columns]]
+    for name, count, own in rows:
+        table.append([name, count, *(table_cell(own, k) for k in columns)])
+    widths = [max(map(len, column)) for column in zip(*table)]
+    lines = [[row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+             for row in table]
+    return "\n".join("  ".join(line) for line in lines)
+
+
+def table_cell(metrics, key):
+    """A metric as eval_table shows it: a length to 0.1 token, a share to 0.001; "-" if missing."""
+    if key not in metrics:
+        return "-"
+    return f"{metrics[key]:.1f}" if key == "response_length" else f"{metrics[key]:.3f}"
+
+
+def eval_only(cfg, engine, policy, eval_sets):
+    """M2 on the weights as they are (the model, or init_from): a table of every eval set; all of
+    it, with a few examples to read, appended to eval.jsonl."""
     engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
-    metrics, texts = evaluate(engine, test, cfg, cfg.seed)
-    examples = [{"prompt": test.task.prompt(p), "completion": t}  # a few to read
-                for p, t in zip(test.problems[:4], texts)]
-    results = {"weights": cfg.init_from or cfg.model, **metrics, "examples": examples}
+    metrics, texts = evaluate_all(engine, eval_sets, cfg)
+    results = {"weights": cfg.init_from or cfg.model, **metrics}
+    for split in eval_sets:
+        results[f"examples/{split.name}" if split.name else "examples"] = [
+            {"prompt": split.task.prompt(p), "completion": t}
+            for p, t in zip(split.problems[:4], texts[split.name])]
+    path = os.path.join(cfg.out_dir, "eval.jsonl")
     if parallel.rank() == 0:
-        with open(os.path.join(cfg.out_dir, "eval.jsonl"), "a") as f:
+        with open(path, "a") as f:
             f.write(json.dumps(results) + "\n")
-    print(json.dumps(results, indent=1))
+    print(eval_table(eval_sets, metrics, cfg.task))
+    print(f"weights {results['weights']}: every metric and a few examples appended to {path}")
 
 
-def end_step(cfg, step, metrics, t_step, engine, policy, test, logger, save):
+def end_step(cfg, step, metrics, t_step, engine, policy, eval_sets, logger, save):
     """M2 after the last update, the log line (written before the checkpoint, so a resume never
     loses it), the checkpoint when one is due. Returns the checkpoint's seconds (logged next step)."""
     last = step == cfg.max_steps - 1
     if last:
         t0 = time.perf_counter()
         engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
-        metrics.update(evaluate(engine, test, cfg, seed=cfg.seed)[0])
+        metrics.update(evaluate_all(engine, eval_sets, cfg)[0])
         metrics["eval/updates"] = step + 1
         metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
     metrics["time/step"] = time.perf_counter() - t_step
@@ -800,6 +935,7 @@ def prepare_run(argv):
         raise ConfigError(str(e)) from e
     check_sandbox(cfg, task, problems[0] + problems[1])  # the model's code runs only sandboxed
     check_task_output(task, problems[0], cfg)  # prompt() and reward() give what a run needs
+    eval_tasks = load_eval_tasks(cfg)  # each checked as the training task is
     resume_from = claim_out_dir(cfg, rank)  # a second run, another run's files, changed settings
     with parallel.local_rank0_first():  # one rank per machine builds or converts the model folder
         path = model_path(cfg)
@@ -810,7 +946,44 @@ def prepare_run(argv):
         check_model_source(cfg.init_from)
     if rank == 0:
         save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
-    return cfg, device, path, resume_from, task, problems
+    return cfg, device, path, resume_from, task, problems, eval_tasks
+
+
+def load_eval_tasks(cfg):
+    """eval_tasks (M2): [(name, task, problems)] of each set, loaded and checked as the training
+    task is (O6). Its problems: its test split (test_size of them), or a data file's every test row
+    (a file without splits: every row). Its name: its file's or task's, less folder and suffix."""
+    sets = []
+    for spec in filter(None, (s.strip() for s in cfg.eval_tasks.split(","))):
+        name = os.path.splitext(os.path.basename(spec.rstrip("/")))[0]
+        if name in [s[0] for s in sets]:
+            raise ConfigError(f"eval_tasks={cfg.eval_tasks!r}: two sets named {name!r} (a set is "
+                              "named by its file or task); rename one of the files")
+        own = copy.copy(cfg)  # the run's settings, but the set's own task and data
+        own.task, own.data_path, own.data_name, own.data_column_map = spec, "", "", {}
+        try:
+            task = load_task(own)
+            problems = load_problems(own, task, "eval")
+        except ValueError as e:  # a ConfigError, or a malformed row (DataError)
+            if "problems(split, n, seed)" in str(e):  # a task that reads a dataset, as gsm8k
+                raise ConfigError(f"eval_tasks: {spec} has no problems() of its own (it reads "
+                                  "data_path, which is the training task's); name the data file "
+                                  "itself, e.g. eval_tasks=data/gsm8k_test.jsonl (tasks/dataset.py "
+                                  "scores its math and code rows)") from None
+            raise ConfigError(f"eval_tasks: {spec}: {e}") from None
+        check_sandbox(own, task, problems)  # an eval set's code runs sandboxed too
+        check_task_output(task, problems, own)
+        sets.append((name, task, problems))
+    return sets
+
+
+def eval_split(tokenizer, name, task, problems, cfg):
+    """An eval_tasks set as a Split, its prompts tokenised once."""
+    try:
+        prompt_ids = tokenize_prompts(tokenizer, task, problems, cfg.max_prompt_len)
+        return Split(task, problems, prompt_ids, name)
+    except ConfigError as e:  # a prompt too long for max_prompt_len: say which set
+        raise ConfigError(f"eval_tasks: {name}: {e}") from None
 
 
 def build_models(cfg, path, device, resume_from):
@@ -869,7 +1042,8 @@ def make_engine(cfg, path, device, policy, tokenizer):
 
 def main(argv, wrap_engine=lambda engine: engine):
     """Train (or with eval_only, evaluate). wrap_engine lets a test observe the engine's calls."""
-    cfg, device, path, resume_from, task, (train_problems, test_problems) = prepare_run(argv)
+    cfg, device, path, resume_from, task, (train_problems, test_problems), eval_tasks = prepare_run(
+        argv)
     tokenizer, policy, train_model, ref, params, optimizer = build_models(cfg, path, device,
                                                                           resume_from)
     sampler = make_sampler(cfg, len(train_problems))
@@ -877,13 +1051,14 @@ def main(argv, wrap_engine=lambda engine: engine):
                   tokenize_prompts(tokenizer, task, train_problems, cfg.max_prompt_len))
     test = Split(task, test_problems,
                  tokenize_prompts(tokenizer, task, test_problems, cfg.max_prompt_len))
+    eval_sets = [test, *(eval_split(tokenizer, *found, cfg) for found in eval_tasks)]  # M2
     state = TrainState(beta=cfg.beta, run_id=f"{random.Random().getrandbits(64):016x}")
     if resume_from:
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
     engine, engine_name = make_engine(cfg, path, device, policy, tokenizer)
     engine = wrap_engine(engine)
     if cfg.eval_only:
-        eval_only(cfg, engine, policy, test)
+        eval_only(cfg, engine, policy, eval_sets)
         return policy
     logger = Logger(cfg, state.run_id) if parallel.rank() == 0 else None
     # save() writes a checkpoint of the run as it stands when called (state is one object)
@@ -900,7 +1075,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         with timed(times, "time/push"):
             engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))  # weights, push, KV cache
         memory = {"mem/after_wake_gb": memory_gb()}
-        evals = eval_due(engine, test, cfg, step)
+        evals = eval_due(engine, eval_sets, cfg, step)
         temperature = temperature_at(step, cfg)
 
         # ---- sample prompts, generate G completions each, score them; R7 refills
@@ -922,7 +1097,7 @@ def main(argv, wrap_engine=lambda engine: engine):
                   "skipping the update")
             state.step = step + 1
             metrics["skipped_updates"] = 1
-            checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, test,
+            checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, eval_sets,
                                           logger, save)
             continue
 
@@ -953,8 +1128,8 @@ def main(argv, wrap_engine=lambda engine: engine):
         dump_samples(cfg, step, batch, advantages, train_problems, tokenizer)
 
         # ---- eval after the last update (M2), the log line, checkpoint
-        checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, test, logger,
-                                      save)
+        checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, eval_sets,
+                                      logger, save)
     return policy
 
 

@@ -17,7 +17,7 @@ from log import PHASES  # noqa: E402  (the phases every step times)
 PANELS = [  # (title, [(metric, label)])
     ("reward (train batch)", [("reward", "reward")]),
     ("accuracy", [("acc", "train batch"), ("eval/pass@1_greedy", "test pass@1 (greedy)"),
-                  ("eval/pass@4", "test pass@4 (T = train)")]),
+                  ("eval/pass@n", "test pass@n (T = train)"), ("eval/maj@n", "test maj@n")]),
     ("answer format", [("reward/parsed", "tagged answer (train)"), ("format", "think+answer layout (train)")]),
     ("KL", [("kl", "token KL to reference"), ("approx_kl_old", "KL(old || new)")]),
     ("response length (tokens)", [("response_length", "train batch")]),
@@ -36,6 +36,16 @@ def stacked_times(ax, rows):
 def read(run):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def resolve(rows, key):
+    """'eval/pass@n' -> the run's pass@k of the largest k logged (k = eval_n); 'eval/maj@n' -> its
+    maj@<eval_n>; any other key as it is."""
+    if not key.endswith("@n"):
+        return key
+    stem = key[:-1]
+    found = {k for r in rows for k in r if k.startswith(stem) and k[len(stem) :].isdigit()}
+    return max(found, key=lambda k: int(k[len(stem) :]), default=key)
 
 
 def series(rows, key):
@@ -57,7 +67,9 @@ def main():
             metrics = []
         for run in args.runs:
             rows = read(run)
-            for key, label in metrics:
+            for wanted, label in metrics:
+                key = resolve(rows, wanted)
+                label = label.replace("@n", key[key.rfind("@") :]) if key != wanted else label
                 x, y = series(rows, key)
                 if x:
                     name = f"{label} [{os.path.basename(run.rstrip('/'))}]" if len(args.runs) > 1 else label

@@ -24,6 +24,10 @@ and may define:
     RUNS_CODE = True                the reward runs the model's code (sandbox.py): the run starts
                                     only where the sandbox that `sandbox` accepts can be had; or a
                                     function of a problem, if only some do (as tools=True always)
+    STOP = ["</answer>"]            strings that end a completion (kept in it) in training and eval
+                                    alike: a base model stops at its answer, not max_completion_len
+    answer(completion, problem)     the completion's final answer as a normalised string, or None:
+                                    the eval's maj@n votes on it (quick: it runs in the trainer)
 
 Instead of reward(), a task file may give TRL's reward functions, which then work unchanged:
 
@@ -92,6 +96,8 @@ class Task:
     reward_funcs: list = field(default_factory=list)
     reward_names: list = field(default_factory=list)
     correct: str = ""  # CORRECT: the function whose score is also the component "correct"
+    stop: list = field(default_factory=list)  # STOP: strings that end a completion, kept in it
+    answer: object = None  # answer(completion, problem): the final answer maj@n votes on, or None
 
 
 def builtin_tasks():
@@ -153,6 +159,12 @@ def load_task(cfg):
                           "problem")
     if extras["reference"] is not None and not callable(extras["reference"]):
         raise ConfigError(f"task file {path}: reference must be a function reference(problem)")
+    extras["stop"] = stop_strings(path, getattr(module, "STOP", []))
+    extras["answer"] = getattr(module, "answer", None)
+    answer = extras["answer"]
+    if answer is not None and not (callable(answer) and binds(answer, 2)):
+        raise ConfigError(f"task file {path}: answer must be a function answer(completion, "
+                          "problem) returning the final answer as a string, or None")
     if trl:
         extras.update(reward_funcs_extras(module, path, cfg))
     return Task(path, None if data_path else module.problems, module.prompt,
@@ -207,6 +219,14 @@ def callable_name(f):
     return getattr(f, "__name__", type(f).__name__)
 
 
+def stop_strings(path, stop):
+    """STOP as a list: a list (or tuple) of non-empty strings, else a ConfigError naming it."""
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise ConfigError(f"task file {path}: STOP = {stop!r:.80}; it must be a list of non-empty "
+                          'strings, e.g. STOP = ["</answer>"]')
+    return list(stop)
+
+
 def check_sandbox(cfg, task, problems):
     """Pre-flight: where the model's code runs (tools=True, or RUNS_CODE for any of `problems`),
     the sandbox cfg.sandbox accepts must be had here, or the run stops, saying what is missing.
@@ -243,8 +263,14 @@ def binds(fn, count, **keywords):
 
 
 def load_problems(cfg, task, split):
-    """The problems of `split` ("train" or "test"): the task's problems(), or rows of data_path."""
+    """The problems of `split` ("train" or "test"): the task's problems(), or rows of data_path.
+    "eval", an eval_tasks set: a dataset's every test row (a file of its own: every row), else the
+    task's test split."""
     n = cfg.train_size if split == "train" else cfg.test_size
+    if split == "eval" and task.problems is not None:
+        split = "test"
+    elif split == "eval":
+        n = None  # every row: the file is the eval set, as a paper reports it
     if task.problems is None:
         columns = {**task.columns, **cfg.data_column_map}
         rows = load_rows(cfg.data_path or cfg.task, split, n, columns, task.check, cfg.data_name)

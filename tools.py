@@ -46,9 +46,11 @@ class ToolEngine:
     def sleep(self):
         self.engine.sleep()
 
-    def generate(self, prompts, n, *, seeds, max_tokens, progress=False, **sampling):
+    def generate(self, prompts, n, *, seeds, max_tokens, stop=None, progress=False, **sampling):
         """The engines' generate, in turns: n completions per prompt, each a row of its own from the first turn
-        (seeds: one per row, as the engines take them)."""
+        (seeds: one per row, as the engines take them). stop: the task's strings, which end a row
+        for good; the close tag is added in the turns that may call."""
+        stop = list(stop or [])
         rows = [Completion(list(p), [], "", [], False, mask=[]) for p in prompts for _ in range(n)]
         live = list(range(len(rows)))
         for turn in range(self.max_calls + 1):
@@ -60,7 +62,8 @@ class ToolEngine:
                 [rows[r].prompt_ids + rows[r].completion_ids for r in live], 1,
                 seeds=[turn_seed(seeds[r], turn) for r in live],  # each turn its own draw, the same on a resume
                 max_tokens=[max_tokens - len(rows[r].completion_ids) for r in live],
-                stop=[self.close] if turn < self.max_calls else None,  # the last turn may not call
+                # the last turn may not call
+                stop=[*stop, self.close] if turn < self.max_calls else stop or None,
                 progress=progress, **sampling)
             calls = []
             for r, [out] in zip(live, outs):

@@ -17,4 +17,4 @@ batch_size = 32  # 4 prompts x 8: half the default run's batch, so a CPU step st
 beta = 0.0  # no reference pass (as DAPO and Dr. GRPO): a third of the step on this CPU
 unparsed_penalty = 0.0  # the reward is correctness alone
 test_size = 30
-eval_k = 2
+eval_n = 2

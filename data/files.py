@@ -145,8 +145,11 @@ def read_splits(path, name=""):
 
 
 def rows_of_split(splits, split):
-    """The rows of `split` ("train" or "test"): the dataset's own split when it has both, else a hash split of all."""
+    """The rows of `split` ("train" or "test"): the dataset's own split when it has both, else a
+    hash split of all. "eval" (an eval_tasks set): the dataset's own test split, else every row."""
     test = next((s for s in TEST_SPLITS if s in splits), None)
+    if split == "eval":
+        return splits[test] if test else [r for part in splits.values() for r in part]
     if "train" in splits and test:
         return splits["train" if split == "train" else test]
     rows = [r for part in splits.values() for r in part]  # one file, or a dataset with one split

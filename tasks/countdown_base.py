@@ -22,6 +22,7 @@ TEMPLATE = (
     "Assistant: Let me solve this step by step.\n"
 )
 COMPLETION_PREFIX = "<think>"
+STOP = ["</answer>"]  # a base model rarely stops after its answer: generation ends there, tag kept
 WEIGHTS = countdown.WEIGHTS
 configure, problems = countdown.configure, countdown.problems
 
@@ -31,7 +32,8 @@ def prompt(problem):
 
 
 def reward(completion, problem):
-    # a base model rarely stops after its answer: judge the turn up to the first </answer>, as a stop string would
+    # up to the first </answer>: STOP ends the completion with the token that completes it, and that
+    # token may carry a few characters past the tag
     end = completion.find("</answer>")
     return countdown.reward(completion[: end + len("</answer>")] if end >= 0 else completion, problem)
 

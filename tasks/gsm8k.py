@@ -10,7 +10,7 @@ with tools on, only what the model wrote after the last tool output can answer.
 """
 
 from config import ConfigError
-from rewards import math_reward, warm_math_verify
+from rewards import math_answer, math_reward, warm_math_verify
 
 PROMPT = (
     "{question}\nThink step by step inside <think> </think> tags, then give only the final number inside "
@@ -48,6 +48,11 @@ def reward(completion, problem):
 def reference(problem):
     final = problem["answer"].split("####")[-1].strip()
     return f"<think>Work it out.</think><answer>{final}</answer>"
+
+
+def answer(completion, problem):
+    """The final number the reward judges, for maj@n."""
+    return math_answer(completion, last_number=True)
 
 
 def check(problem):

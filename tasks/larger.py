@@ -30,3 +30,8 @@ def reward(completion, problem):
 # a completion that earns full reward (python task.py --audit tasks/larger.py)
 def reference(problem):
     return str(max(problem["a"], problem["b"]))
+
+
+def answer(completion, problem):  # optional: the number said, for the eval's majority vote (maj@n)
+    numbers = re.findall(r"\d+", completion)
+    return str(int(numbers[-1])) if numbers else None

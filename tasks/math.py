@@ -10,7 +10,7 @@ used as it is, and a GSM8K answer ("... #### 72") is judged by what follows ####
 
 from config import ConfigError
 from data.arith import KINDS, math_problems
-from rewards import math_reward, warm_math_verify
+from rewards import math_answer, math_reward, warm_math_verify
 
 # No concrete number in the example: a small model copies it as its answer (with \boxed{42} here,
 # SmolLM2-135M's base accuracy was 0.05 instead of 0.47; README, the default run).
@@ -57,6 +57,11 @@ def reward(completion, problem):
 def reference(problem):
     answer = str(problem["answer"]).split("####")[-1].strip()
     return f"<think>Work it out.</think><answer>\\boxed{{{answer}}}</answer>"
+
+
+def answer(completion, problem):
+    """The final answer the reward judges, for maj@n: a number as its value ("0.5" = "1/2")."""
+    return math_answer(completion, SETTINGS.get("last_number", True), SETTINGS.get("tools", False))
 
 
 def check(problem):

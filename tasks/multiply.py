@@ -34,9 +34,16 @@ def prompt(problem):
 
 def reward(completion, problem):
     """correct: the last number the model writes after the tool's last output (or anywhere, without one)."""
-    own = after_tool_outputs(completion)  # never a number the tool printed, even in an output cut short
+    said = answer(completion, problem)
+    return {"correct": float(said is not None and int(said) == problem["answer"])}
+
+
+def answer(completion, problem):
+    """The last number the model itself writes (never one the tool printed, even in an output cut
+    short): the answer the reward judges, and maj@n's vote."""
+    own = after_tool_outputs(completion)
     digits = "".join(ch if ch.isdigit() else " " for ch in own.replace(",", "")).split()
-    return {"correct": float(bool(digits) and int(digits[-1]) == problem["answer"])}
+    return str(int(digits[-1])) if digits else None
 
 
 def reference(problem):

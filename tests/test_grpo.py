@@ -695,3 +695,39 @@ def test_init_from_is_the_reference_so_the_first_kl_is_zero(tmp_path, lora):
     metrics = read_jsonl(out / "metrics.jsonl")
     assert metrics[0]["kl"] == 0.0
     assert metrics[1]["kl"] > 0  # after an update the policy has moved away from it
+
+
+def test_training_and_eval_generate_with_the_tasks_stop_strings(tmp_path):
+    """A task file's STOP reaches every generate call, training's and eval's: a completion that
+    holds the string ends with the token that completes it, kept, not truncated; others hold
+    none."""
+    task = tmp_path / "stops.py"
+    task.write_text(open(os.path.join(ROOT, "tasks", "digits.py")).read() + '\nSTOP = ["e"]\n')
+    calls = []
+
+    def spy(engine):
+        generate = engine.generate
+        calls.append(engine.tokenizer)
+
+        def recorded(prompts, n, **kwargs):
+            groups = generate(prompts, n, **kwargs)
+            calls.append((kwargs["stop"], [c for g in groups for c in g]))
+            return groups
+
+        engine.generate = recorded
+        return engine
+
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path / 'out'}",
+               "--engine=hf", f"--task={task}", "--max_steps=1", "--eval_every=0", "--test_size=4"],
+              wrap_engine=spy)
+    tokenizer, *calls = calls
+    # the step's rollouts, then the greedy and the sampled eval
+    assert [stop for stop, _ in calls] == [["e"]] * 3
+    completions = [c for _, cs in calls for c in cs]
+    assert any(c.stop_string == "e" for c in completions) and any(c.truncated for c in completions)
+    for c in completions:
+        if c.stop_string:
+            assert c.stop_string == "e" and "e" in c.text and not c.truncated
+            assert "e" not in tokenizer.decode(c.completion_ids[:-1], skip_special_tokens=True)
+        else:
+            assert "e" not in c.text

@@ -211,6 +211,121 @@ def test_hf_tool_rollouts_without_a_call_are_the_plain_engines(tiny):
         assert t.mask == [1] * len(p.completion_ids)
 
 
+# ---------------------------------------------------------------- stop strings (a task's STOP)
+
+
+def first_end(tokenizer, ids, stop):
+    """The length of the shortest prefix of `ids` whose text holds `stop`, or None."""
+    texts = (tokenizer.decode(ids[:j], skip_special_tokens=True) for j in range(1, len(ids) + 1))
+    return next((j for j, text in enumerate(texts, 1) if stop in text), None)
+
+
+def check_stop_strings(engine, tokenizer, prompts):
+    """Greedy: the text of a completion's first two tokens as a stop string ends it after those two
+    (the token that completes the string, kept); one that never occurs changes nothing, a truncated
+    completion included. Sampled with "e": every row ends at its first "e", or holds none. Returns
+    the greedy completions that stopped."""
+    plain = [g[0] for g in sample(engine, prompts, temperature=0.0, n=1)]
+    stops = [tokenizer.decode(c.completion_ids[:2], skip_special_tokens=True) for c in plain]
+    assert all(s.strip() and "\ufffd" not in s for s in stops) and all(c.truncated for c in plain)
+    stopped = [g[0] for g in engine.generate(prompts, 1, seeds=[0, 1], temperature=0.0, top_p=1.0,
+                                             top_k=-1, max_tokens=24,
+                                             stop=stops[::-1] + ["no such text"])]
+    for c, p, s in zip(stopped, plain, stops):
+        assert c.completion_ids == p.completion_ids[:2] and c.stop_string == s and not c.truncated
+        assert c.text == s and len(c.logprobs) == 0  # greedy: no logprobs
+    never = sample_with_stop(engine, prompts, ["no such text"], temperature=0.0, n=1)
+    assert [(c.completion_ids, c.truncated, c.stop_string) for g in never for c in g] == [
+        (c.completion_ids, c.truncated, None) for c in plain]
+    for c in (c for g in sample_with_stop(engine, prompts, ["e"]) for c in g):
+        if c.stop_string:
+            assert c.stop_string == "e"
+            assert first_end(tokenizer, c.completion_ids, "e") == len(c.completion_ids)
+            assert not c.truncated and len(c.logprobs) == len(c.completion_ids)
+        else:
+            assert "e" not in c.text
+    return stopped
+
+
+def sample_with_stop(engine, prompts, stop, temperature=1.0, n=4):
+    seeds = [i + j for i in range(len(prompts)) for j in range(n)]
+    return engine.generate(prompts, n, seeds=seeds, temperature=temperature, top_p=1.0, top_k=-1,
+                           max_tokens=24, stop=stop)
+
+
+def test_hf_engine_stops_at_a_stop_string_and_keeps_it(tiny):
+    """The checks above; and a sampled row that stops is the row sampled without the stop string,
+    cut there (each row draws from its own generator), a row that holds no stop string that row."""
+    _, _, tokenizer, policy, prompts = tiny
+    engine = HFEngine(policy, tokenizer)
+    check_stop_strings(engine, tokenizer, prompts)
+    free = [c for g in sample(engine, prompts, temperature=1.0) for c in g]
+    cut = [c for g in sample_with_stop(engine, prompts, ["e"]) for c in g]
+    assert any(c.stop_string for c in cut) and any(not c.stop_string for c in cut)
+    for c, f in zip(cut, free):
+        end = first_end(tokenizer, f.completion_ids, "e") or len(f.completion_ids)
+        assert (c.completion_ids, c.logprobs) == (f.completion_ids[:end], f.logprobs[:end])
+        assert c.truncated == (c.stop_string is None and f.truncated)
+
+
+@requires_vllm
+def test_vllm_stops_at_a_stop_string_as_the_hf_engine_does(tiny, vllm_engine):
+    _, _, tokenizer, policy, prompts = tiny
+    vllm_engine.wake(push_weights_iter(policy))
+    ours = check_stop_strings(vllm_engine, tokenizer, prompts)
+    hf = check_stop_strings(HFEngine(policy, tokenizer), tokenizer, prompts)
+    assert [(c.completion_ids, c.stop_string) for c in ours] == [
+        (c.completion_ids, c.stop_string) for c in hf]
+
+
+def test_tool_turns_stop_at_the_tasks_strings_and_at_the_close_tag_while_a_call_may_come():
+    """ToolEngine hands the inner engine the task's stop strings in every turn and the close tag
+    only in the turns that may call; a row that stops on the task's string makes no call and
+    ends."""
+    from types import SimpleNamespace
+
+    from rollout import Completion
+    from tools import ToolEngine
+
+    asked = []
+
+    # turn 0: row 0 closes a call, row 1 stops on the task's string; then row 0 answers
+    class Scripted:
+        def generate(self, prompts, n, *, stop, **kwargs):
+            asked.append(stop)
+            texts = ["x</python>", "y</answer>"] if len(asked) == 1 else ["z"]
+            ends = ["</python>", "</answer>"] if len(asked) == 1 else [None]
+            return [[Completion(p, [len(t)], t, [0.0], False, e)]
+                    for p, t, e in zip(prompts, texts, ends)]
+
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "x</python>",
+                                encode=lambda text, add_special_tokens=False: [9])
+    engine = ToolEngine(Scripted(), tokenizer, 1, lambda code: ("out", True))
+    groups = engine.generate([[1], [2]], 1, seeds=[0, 1], max_tokens=24, stop=["</answer>"],
+                             temperature=1.0, top_p=1.0, top_k=-1)
+    assert asked == [["</answer>", "</python>"], ["</answer>"]]  # the last turn may not call
+    assert [g[0].tool_calls for g in groups] == [1, 0]
+
+
+def test_a_task_files_stop_strings_and_answer_are_read_and_checked(tmp_path):
+    """STOP: a list of non-empty strings (the base-model Countdown task stops at </answer>);
+    answer(): a function of (completion, problem). Anything else fails as the task loads."""
+    from config import ConfigError
+    from task import load_task
+
+    assert load_task(load_config(overrides=["--task=countdown_base"])).stop == ["</answer>"]
+    assert load_task(load_config(overrides=["--task=countdown"])).stop == []
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    plain = open(os.path.join(root, "tasks", "larger.py")).read()
+    for extra, message in (('STOP = "</answer>"', "STOP = '</answer>'; it must be a list of"),
+                           ('STOP = ["</answer>", ""]', "it must be a list of non-empty strings"),
+                           ("def answer(completion):\n    return None", "answer must be a")):
+        path = tmp_path / "mine.py"
+        path.write_text(plain + "\n" + extra + "\n")
+        with pytest.raises(ConfigError, match=f"task file {path}: .*{message}"):
+            load_task(load_config(overrides=[f"--task={path}"]))
+
+
 @requires_vllm
 def test_vllm_parity_with_untied_embeddings(tiny, tmp_path):
     # Last of the tests on an in-process engine: vLLM keeps its parallel groups in process-global state, and

@@ -464,7 +464,7 @@ def test_a_raising_and_a_hanging_reward_leave_the_run_going(tmp_path):
         "    if problem['i'] == 1:\n        time.sleep(60)\n"
         "    return {'correct': float(any(c.isdigit() for c in completion))}\n"))
     grpo.main(["--config", TINY, f"--out_dir={tmp_path}/run", f"--task={path}", "--engine=hf", "--train_size=4",
-               "--test_size=3", "--max_steps=2", "--eval_every=0", "--eval_k=2", "--reward_timeout=0.5"])
+               "--test_size=3", "--max_steps=2", "--eval_every=0", "--eval_n=2", "--reward_timeout=0.5"])
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [(m["reward/errors"], m["reward/timeouts"]) for m in metrics] == [(8, 4), (8, 4)]  # 4 prompts x G=4
     assert metrics[-1]["eval/pass@1_greedy"] in (0.0, 1 / 3)  # test problem 2 scores; 0 and 1 fail
@@ -521,7 +521,7 @@ def test_the_code_task_runs_end_to_end_through_the_sandbox(tmp_path):
         return engine
 
     grpo.main(["--config", TINY, f"--out_dir={tmp_path}", "--task=code", "--engine=hf", "--max_steps=2",
-               "--eval_every=0", "--test_size=2", "--eval_k=2", "--max_prompt_len=256", "--micro_batch_tokens=320",
+               "--eval_every=0", "--test_size=2", "--eval_n=2", "--max_prompt_len=256", "--micro_batch_tokens=320",
                "--reward_workers=2", "--sample_every=1"], wrap_engine=with_one_solution)
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert all(m["acc"] == pytest.approx(0.25) and m["reward/parsed"] == pytest.approx(0.25) for m in metrics)
