@@ -41,6 +41,7 @@ class Config:
     eval_every: int = 10  # M2: evaluate before every N-th update (step 0: the base model) and at the end; 0 = end only
     # pass@k (Chen et al. 2021) for every k <= n up to n = 8, else the powers of 2 below n, and n
     eval_n: int = 4  # M2: samples per eval problem at the training temperature: avg@n pass@k maj@n
+    eval_in_run_sampled: bool = False  # M2: the evals before the last also sample eval_n a problem; False = greedy only
     # each logged as eval/<name>/... (its file's or task's name), beside the training task's test
     eval_tasks: str = ""  # M2: more eval sets, e.g. "gsm8k_test.jsonl,tasks/larger.py"; "" = none
     sample_every: int = 10  # W6: dump whole groups to out_dir/samples.jsonl every N steps; 0 = off
@@ -110,6 +111,9 @@ class Config:
     mask_truncated: bool = False  # R6: completions cut at max_completion_len get no loss; False = train on them
     dynamic_sampling: bool = False  # R7: drop groups whose rewards are all equal and refill with fresh prompts (DAPO)
     dynamic_sampling_rounds: int = 3  # R7: at most this many refill rounds per step
+    # R7's filter without the refill: a group whose rewards are all equal has zero advantage, so it
+    # would cost a forward and backward for a KL-only gradient; logged as dropped_groups (a share)
+    drop_zero_std_groups: bool = True
     gpu_memory_utilization: float = 0.4  # R1: share of the GPU the colocated vLLM engine takes (0.3-0.5)
     vllm_cpu_kv_cache_gb: int = 1  # R1: KV cache of vLLM on a CPU (VLLM_CPU_KVCACHE_SPACE), GiB
     vllm_sleep_level: int = 2  # R1: sleep between generations (GPU only): 1 offloads weights to CPU, 2 drops them; 0 no
@@ -263,7 +267,7 @@ RUN_SETTINGS = (
     "group_size", "batch_size", "mini_batches", "num_iterations",
     # what is sampled and which groups train (R4-R7), and what a rollout may do (tools)
     "max_completion_len", "temperature", "temperature_end", "top_p", "top_k", "mask_truncated",
-    "dynamic_sampling", "dynamic_sampling_rounds",
+    "dynamic_sampling", "dynamic_sampling_rounds", "drop_zero_std_groups",
     "tools", "max_tool_calls", "tool_output_chars", "tool_open", "tool_close",
     # the reward (W1-W3): what is learned
     "format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "reward_weights",

@@ -46,6 +46,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import transformers
 from tqdm import tqdm
 
 import parallel
@@ -53,7 +54,7 @@ from advantage import group_advantages, group_stats
 from checkpoint import TrainState, claim_out_dir, load_checkpoint, save_checkpoint
 from config import ConfigError, config_from_argv, save_config
 from data.sampler import CurriculumSampler, PromptSampler
-from log import Logger, dump_samples, memory_gb, peak_memory_gb, timed
+from log import Logger, dump_samples, memory_gb, output_to, peak_memory_gb, timed
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
 from model import load_policy, load_reference, model_path, push_weights_iter, sequence_logprobs
 from perf import cpu, shared_prompt
@@ -267,6 +268,8 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
             rounds += 1
             num_drawn += need * world
         batch = batch.groups(range(min(share, len(batch) // G)), G)
+    elif cfg.drop_zero_std_groups:  # R7's filter without the refill: the batch may come out smaller
+        batch = batch.groups(informative_groups(batch.rewards, G), G)
     times["time/score"] = batch.score_seconds
     if cfg.tools:  # the sandboxed calls, inside the turns of generation
         times["time/tools"] = batch.tool_seconds
@@ -644,9 +647,11 @@ def rollout_metrics(step, drawn, stats, batch, rounds, beta, temperature, cfg):
         out["tools/error_rate"] = drawn.tool_errors.sum().item() / calls if calls else None
         out["tools/share_using"] = (drawn.tool_calls > 0).float().mean().item()
         out["tools/output_tokens"] = int(drawn.tool_tokens.sum())  # context, not trained on
-    if cfg.dynamic_sampling:  # R7: what the update trained on
+    if cfg.dynamic_sampling or cfg.drop_zero_std_groups:  # R7: what the update trained on
         kept = batch.gathered()
         out["kept/prompts"] = len(kept) // cfg.group_size
+        # the share of the groups drawn that the update left out (no refill: the batch shrinks)
+        out["dropped_groups"] = 1 - len(kept) / len(drawn)
         out["kept/reward"] = kept.rewards.mean().item() if len(kept) else None
         out["kept/acc"] = mean_of(kept.components, "correct") if len(kept) else None
         out["drawn/prompts"] = len(drawn) // cfg.group_size
@@ -786,7 +791,7 @@ def sampled_metrics(test, sampled, cfg):
     return out
 
 
-def evaluate(engine, test, cfg, seed):
+def evaluate(engine, test, cfg, seed, sampled=True):
     """M2 on one eval set: pass@1 with greedy decoding; avg@n, pass@k and maj@n from n = eval_n
     samples per problem at the training temperature (sampled_metrics); format.
 
@@ -801,20 +806,23 @@ def evaluate(engine, test, cfg, seed):
     # each set's own seeds, the same at every eval: evals differ by the weights alone
     stream = (seed, "eval", test.name) if test.name else (seed, "eval")
     seeds = row_seeds(stream, 0, len(prompts), n)
+    bar = sys.stdout.isatty()  # a progress bar on a terminal
     greedy = engine.generate(prompts, 1, seeds=seeds[::n], temperature=0.0, top_p=1.0, top_k=-1,
-                             max_tokens=cfg.max_completion_len, stop=stop)
+                             max_tokens=cfg.max_completion_len, stop=stop, progress=bar)
     texts = [g[0].text for g in greedy]
     lengths = [len(g[0].completion_ids) for g in greedy]
     rewards, comps = score(test.task, texts, test.problems, lengths, cfg,
                            [g[0].completion_ids for g in greedy])
-    # every rank generates the same calls whatever the rewards say (FSDP's HF engine: lockstep)
-    sampled = engine.generate(prompts, n, seeds=seeds, temperature=cfg.temperature,
-                              top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
-                              stop=stop)
     out = {"reward": rewards.mean().item()}
     if "correct" in comps:
         out["pass@1_greedy"] = (comps["correct"] >= 1).float().mean().item()
-        out.update(sampled_metrics(test, sampled, cfg))
+    # every rank generates the same calls whatever the rewards say (FSDP's HF engine: lockstep)
+    if sampled:  # n samples per problem: 4 to 100 times the greedy pass's cost
+        rows = engine.generate(prompts, n, seeds=seeds, temperature=cfg.temperature,
+                               top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
+                               stop=stop, progress=bar)
+        if "correct" in comps:
+            out.update(sampled_metrics(test, rows, cfg))
     for name in ("format", "parsed"):
         if name in comps:
             out[name] = comps[name].mean().item()
@@ -825,12 +833,12 @@ def evaluate(engine, test, cfg, seed):
     return {prefix + k: v for k, v in out.items()}, texts
 
 
-def evaluate_all(engine, eval_sets, cfg):
+def evaluate_all(engine, eval_sets, cfg, sampled=True):
     """evaluate() on each set, the training task's test split first: (all their metrics, {set's
     name: its greedy completion texts})."""
     metrics, texts = {}, {}
     for split in eval_sets:
-        found, texts[split.name] = evaluate(engine, split, cfg, seed=cfg.seed)
+        found, texts[split.name] = evaluate(engine, split, cfg, cfg.seed, sampled)
         metrics.update(found)
     return metrics, texts
 
@@ -841,7 +849,8 @@ def eval_due(engine, eval_sets, cfg, step):
     if not cfg.eval_every or step % cfg.eval_every or step >= cfg.max_steps - 1:
         return {}
     start = time.perf_counter()
-    metrics = evaluate_all(engine, eval_sets, cfg)[0]
+    # greedy only unless asked: the in-run evals draw the curve, the final one is full
+    metrics = evaluate_all(engine, eval_sets, cfg, sampled=cfg.eval_in_run_sampled)[0]
     return {**metrics, "eval/updates": step, "time/eval": time.perf_counter() - start}
 
 
@@ -918,6 +927,7 @@ def end_step(cfg, step, metrics, t_step, engine, policy, eval_sets, logger, save
 def prepare_run(argv):
     """Config, pre-flight, the model folder, the data: what can fail fails before a model loads (O6)."""
     cfg = config_from_argv(argv)
+    transformers.utils.logging.disable_progress_bar()  # loading 135M weights needs no progress bar
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     rank, _, device = parallel.setup(device)  # under torchrun: join the process group
     if device == "cpu" and cfg.cpu_keep_memory and not cpu.keep_freed_memory():
@@ -1022,9 +1032,12 @@ def make_sampler(cfg, num_prompts):
 
 def make_engine(cfg, path, device, policy, tokenizer):
     """The sampling engine (R1): vLLM colocated, or the policy itself; wrapped for tool calls."""
+    # vLLM's start-up output (warnings about Triton, NUMA, thread binding) goes to a file, not the
+    # console; it is printed if the start fails
     name = auto_engine() if cfg.engine == "auto" else cfg.engine  # auto: vLLM if it imports
     if name == "vllm":
-        engine = VLLMEngine(path, cfg, device)
+        with output_to(os.path.join(cfg.out_dir, "engine.log")):
+            engine = VLLMEngine(path, cfg, device)
     else:  # the policy itself samples, in the trainer's compute dtype
         # FSDP2: every rank steps until the slowest is done
         synced = parallel.world() > 1 and cfg.parallel == "fsdp"

@@ -8,6 +8,7 @@ out_dir/metrics.jsonl; whole groups to out_dir/samples.jsonl every sample_every 
 import dataclasses
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -25,6 +26,35 @@ def timed(times, key):
     start = time.perf_counter()
     yield
     times[key] = times.get(key, 0.0) + time.perf_counter() - start
+
+
+@contextmanager
+def output_to(path):
+    """Inside the block, what this process writes to stdout and stderr goes to the file `path`:
+    the file descriptors, so C++ warnings and the libraries' own loggers and progress bars go too
+    (vLLM's start-up: Triton, NUMA, thread binding, none of it actionable in a run). On an error the
+    file's end is printed before the error propagates: nothing that explains it is lost."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    ok = False
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    if not ok:
+        with open(path, errors="replace") as f:
+            print(f"--- the end of {path}:\n{f.read()[-4000:]}", file=sys.stderr)
 
 
 def peak_memory_gb():
@@ -76,6 +106,8 @@ class Logger:
 
     def __init__(self, cfg, run_id):
         self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        self.max_steps = cfg.max_steps
+        self.step_seconds = []  # this process's steps, for the time left
         self.wandb = self.tb = None
         if cfg.wandb_project:
             import wandb
@@ -98,7 +130,11 @@ class Logger:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
-        shown = ("reward", "acc", "format", "kl", "response_length", "loss", "grad_norm", "time/step")
+        shown = ("reward", "acc", "reward/parsed", "kl", "response_length", "loss", "grad_norm",
+                 "eval/pass@1_greedy", "time/step")
         line = " | ".join(f"{k} {metrics[k]:.4g}" for k in shown if metrics.get(k) is not None)
-        print(f"step {step} | {line}", flush=True)
+        self.step_seconds.append(metrics["time/step"])
+        # the median step (an eval's step is the slow one) times the steps still to run
+        left = sorted(self.step_seconds)[len(self.step_seconds) // 2] * (self.max_steps - step - 1)
+        print(f"step {step} | {line} | left {int(left // 60)}m{int(left % 60):02d}s", flush=True)
 

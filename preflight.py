@@ -276,14 +276,17 @@ def preflight(cfg):
     est = estimate_memory(cfg, shape)
     total = device_memory_gib(cfg)
     resident, update = resident_memory(est), update_peak(est)
-    print(memory_table(cfg, est))
     if total is None:
         if update > CPU_RUN_GIB and cfg.device != "cpu":
+            print(memory_table(cfg, est))
             raise ConfigError(
                 f"this run's update needs ~{update:.0f} GiB: it is sized for a GPU, and there is none here. "
                 f"To run it on the CPU anyway (slowly), pass --device=cpu; `python grpo.py` is the CPU-sized run")
-        print(f"pre-flight: update peak ~{update:.2f} GiB; no GPU here, so no fit check")
+        # no device to fit: one line (python preflight.py --config X prints the whole table)
+        print(f"pre-flight: update peak ~{update:.1f} GiB (of it activations {est['activations']:.1f}, "
+              f"logits {est['head']:.1f}); no GPU here, so no fit check")
         return est
+    print(memory_table(cfg, est))
     vllm = cfg.gpu_memory_utilization * total
     print(f"pre-flight: device {total:.1f} GiB | update peak {update:.1f} | vLLM share {vllm:.1f} "
           f"+ resident {resident:.1f}")

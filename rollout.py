@@ -14,7 +14,9 @@ generation_config (a repetition penalty there would make the samples off-policy)
 the same tokens (stop_tokens).
 """
 
+import contextlib
 import hashlib
+import io
 import logging
 import os
 from dataclasses import dataclass
@@ -82,7 +84,9 @@ def auto_engine():
     why = None if vllm_available() else "vLLM is not installed"
     if why is None:
         try:
-            import vllm  # noqa: F401
+            # its import warns of Triton on a CPU; a failed import is reported below
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                import vllm  # noqa: F401
         except Exception as e:  # not only ImportError: a broken install raises what it raises
             first = (str(e).splitlines() or [""])[0]
             why = (f"vLLM is installed but does not import ({type(e).__name__}: {first}; "
@@ -109,8 +113,6 @@ class VLLMEngine:
         # followed by a full push (vLLM saves and restores its buffers, e.g. rotary caches, itself).
         on_gpu = torch.device(device).type == "cuda"  # "cuda" or, under torchrun, "cuda:<local rank>"
         self.sleep_level = cfg.vllm_sleep_level if on_gpu else 0
-        if cfg.vllm_sleep_level and not on_gpu:
-            print("vLLM sleep mode needs a GPU; on this device the engine stays awake (no memory handoff)")
         self.llm = LLM(
             model=path,
             dtype=cfg.dtype,
@@ -122,6 +124,7 @@ class VLLMEngine:
             # on a CPU, KV blocks short enough that a group's G completions share their prompt's
             block_size=None if on_gpu else cpu.VLLM_CPU_BLOCK_SIZE,
             logprobs_mode="processed_logprobs",  # after temperature (R5); the default "raw" would ignore it
+            use_tqdm_on_load=False,  # no progress bar for one small file
             # under torchrun: one engine per rank (or per group of vllm_tensor_parallel consecutive ranks),
             # joined to torchrun's process group
             distributed_executor_backend="external_launcher" if parallel.launched else None,

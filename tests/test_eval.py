@@ -162,6 +162,18 @@ def test_evaluate_reports_avg_pass_and_maj_worked_by_hand(tmp_path):
     assert set(plain.calls[1]["seeds"]).isdisjoint(engine.calls[1]["seeds"])
 
 
+def test_an_in_run_eval_is_greedy_only_unless_asked(tmp_path):
+    """sampled=False (the in-run evals' default, eval_in_run_sampled=False): one greedy call, the
+    greedy metrics as the full eval gives them, no sampled ones."""
+    cfg, toy = toy_split(tmp_path)
+    engine = Scripted(GREEDY, SAMPLED)
+    metrics = grpo.evaluate(engine, toy, cfg, seed=1, sampled=False)[0]
+    full = grpo.evaluate(Scripted(GREEDY, SAMPLED), toy, cfg, seed=1)[0]
+    greedy = ("reward", "pass@1_greedy", "response_length")
+    assert metrics == {f"eval/toy/{k}": full[f"eval/toy/{k}"] for k in greedy}
+    assert [c["temperature"] for c in engine.calls] == [0.0]
+
+
 def test_evaluate_without_answer_or_correct_logs_what_it_can(tmp_path, recwarn):
     """No answer(): no maj@n. An answer() that raises casts no vote (and warns). No "correct": no
     accuracy."""
@@ -324,8 +336,9 @@ def test_eval_only_with_eval_tasks_on_the_tiny_model(tmp_path, capsys):
 
 
 def test_a_run_with_eval_tasks_logs_each_set_and_plots(tmp_path):
-    """2 steps with eval_every=1: the base model's eval at step 0 and the last at the end, each
-    set's metrics under its name in metrics.jsonl; plot.py draws the run."""
+    """2 steps with eval_every=1: the base model's eval at step 0 (greedy only, as in-run evals
+    are by default) and the last at the end (full), each set's metrics under its name in
+    metrics.jsonl; plot.py draws the run."""
     (tmp_path / "digit.py").write_text(DIGIT)
     rows = write_rows(tmp_path / "sums.jsonl", 2)
     out = tmp_path / "out"
@@ -337,12 +350,14 @@ def test_a_run_with_eval_tasks_logs_each_set_and_plots(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["eval/updates"] for m in metrics] == [0, 2]
-    for m in metrics:
-        for name in ("eval/", "eval/digit/", "eval/sums/"):
-            keys = ("reward", "pass@1_greedy", "avg@2", "pass@1", "pass@2")
-            assert {name + k for k in keys} <= m.keys()
-        assert m["eval/digit/pass@1"] == pytest.approx(m["eval/digit/avg@2"])  # a 1/0 "correct"
-        assert m["eval/digit/pass@1"] <= m["eval/digit/pass@2"] and 0 <= m["eval/digit/maj@2"] <= 1
+    for name in ("eval/", "eval/digit/", "eval/sums/"):
+        assert {name + "reward", name + "pass@1_greedy"} <= metrics[0].keys()
+        assert {name + k for k in ("avg@2", "pass@1", "pass@2")}.isdisjoint(metrics[0])
+        keys = ("reward", "pass@1_greedy", "avg@2", "pass@1", "pass@2")
+        assert {name + k for k in keys} <= metrics[1].keys()
+    m = metrics[1]
+    assert m["eval/digit/pass@1"] == pytest.approx(m["eval/digit/avg@2"])  # a 1/0 "correct"
+    assert m["eval/digit/pass@1"] <= m["eval/digit/pass@2"] and 0 <= m["eval/digit/maj@2"] <= 1
     proc = subprocess.run([sys.executable, "plot.py", str(out), "--out", str(tmp_path / "run.png")],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -731,3 +731,66 @@ def test_training_and_eval_generate_with_the_tasks_stop_strings(tmp_path):
             assert "e" not in tokenizer.decode(c.completion_ids[:-1], skip_special_tokens=True)
         else:
             assert "e" not in c.text
+
+
+# ---------------------------------------------------------------- zero-variance groups (R7's filter)
+
+
+class LengthScripted:
+    """Completion j of prompt p says "1" if p's script has a 1 at j, else "0"; completion j has
+    j + 1 tokens, so every row's token count is known."""
+
+    def __init__(self, scripts):
+        self.scripts = scripts
+
+    def generate(self, prompts, n, *, seeds, **sampling):
+        from rollout import Completion
+
+        return [[Completion(list(p), [7] * (j + 1), str(self.scripts[p[0]][j]), [-1.0] * (j + 1),
+                            False) for j in range(n)] for p in prompts]
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_drop_zero_std_groups_trains_only_on_mixed_groups(drop):
+    """Three groups of 4: all right, all wrong, mixed. With drop_zero_std_groups only the mixed
+    group reaches the loss, and the token-mean divides by its tokens alone (1 + 2 + 3 + 4 = 10, not
+    30); the log still counts every group drawn, and says which share was dropped."""
+    from advantage import group_stats
+    from task import Task
+
+    def reward(completion, problem):
+        return {"correct": float(completion == "1")}
+
+    cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
+                                        "--adv_zero_std_groups=false",
+                                        f"--drop_zero_std_groups={drop}"])
+    problems = [{"id": str(i)} for i in range(3)]
+    train = grpo.Split(Task("test", None, None, reward), problems, [[0], [1], [2]])
+    scripts = {0: [1, 1, 1, 1], 1: [0, 0, 0, 0], 2: [1, 0, 0, 1]}
+
+    class InOrder:
+        def sample(self, k, step=None):
+            return list(range(k))
+
+    batch, drawn, _ = grpo.collect_rollouts(LengthScripted(scripts), InOrder(), train, cfg, 0,
+                                            1.0, {})
+    advantages = grpo.group_advantages(batch.rewards, 4)
+    ub = grpo.prepare_update(batch, advantages, cfg, pad_id=0, device="cpu")
+    stats = group_stats(drawn.rewards, 4, correct=drawn.components["correct"])
+    metrics = grpo.rollout_metrics(0, drawn, stats, batch, 0, 0.0, 1.0, cfg)
+    assert drawn.problem == [p for p in range(3) for _ in range(4)]  # the log sees all three
+    assert metrics["frac_reward_zero_std"] == pytest.approx(2 / 3)
+    if drop:
+        assert batch.problem == [2, 2, 2, 2] and ub.num_tokens == 10
+        assert metrics["dropped_groups"] == pytest.approx(2 / 3) and metrics["kept/prompts"] == 1
+        assert metrics["kept/acc"] == 0.5
+    else:
+        assert batch.problem == drawn.problem and ub.num_tokens == 30
+        assert "dropped_groups" not in metrics
+    # the loss of the kept rows: the uniform groups' zero advantages would only have diluted it
+    lp = torch.zeros_like(ub.mask)
+    loss, _ = grpo.grpo_loss(lp, lp, ub.advantages, ub.mask, num_tokens=ub.num_tokens,
+                             num_seqs=len(batch), **cfg.loss)
+    # a ratio of 1: loss = -sum(A_i x tokens_i) / num_tokens; mixed group A = (+a, -a, -a, +a)
+    a = ub.advantages[ub.groups == ub.groups.max()].abs().max().item()
+    assert loss.item() == pytest.approx(-a * (1 - 2 - 3 + 4) / ub.num_tokens, abs=1e-6)

@@ -98,6 +98,20 @@ def test_memory_check_against_the_device(tmp_path, capsys):
         preflight.preflight(load_config(path, ["--device_memory_gb=80", "--gpu_memory_utilization=0.6"]))
 
 
+def test_the_24gb_run_file_fits_a_24gb_device(capsys):
+    """config/countdown_3b_24gb.py passes pre-flight for 24 GiB: the update and, beside it asleep,
+    vLLM's share with the trainer's resident state; the full fine-tuning run file does not."""
+    path = os.path.join(ROOT, "config", "countdown_3b_24gb.py")
+    cfg = load_config(path, ["--device_memory_gb=24"])
+    est = preflight.preflight(cfg)
+    assert preflight.update_peak(est) < 0.95 * 24
+    assert 0.35 * 24 + preflight.resident_memory(est) < 0.95 * 24
+    assert "pre-flight: device 24.0 GiB" in capsys.readouterr().out
+    with pytest.raises(ConfigError):
+        preflight.preflight(load_config(os.path.join(ROOT, "config", "countdown_3b.py"),
+                                        ["--device_memory_gb=24"]))
+
+
 def test_unknown_model_skips_the_estimate_with_a_note(capsys):
     assert preflight.preflight(load_config(overrides=["--model=/nonexistent/model"])) is None
     assert "memory estimate skipped" in capsys.readouterr().out
