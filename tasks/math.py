@@ -12,12 +12,12 @@ from config import ConfigError
 from data.arith import KINDS, math_problems
 from rewards import math_answer, math_reward, warm_math_verify
 
-# No concrete number in the example: a small model copies it as its answer (with \boxed{42} here,
-# SmolLM2-135M's base accuracy was 0.05 instead of 0.47; README, the default run).
-PROMPT = (
-    "{question} Think step by step inside <think> </think> tags, then give the final answer as "
-    "\\boxed{{...}} inside <answer> </answer> tags, for example <think> ... </think><answer>\\boxed{{...}}</answer>."
-)
+# One worked example as a first chat turn: SmolLM2-135M-Instruct puts its answer in \boxed{} after
+# it ~99% of the time and ~1% without it, whatever the instruction says. Its operands lie outside
+# the default ones (1..math_max_number = 25), so it answers no problem of the default run.
+INSTRUCTION = "Put your final answer within \\boxed{}."
+EXAMPLE = [{"role": "user", "content": "What is 31 + 42? " + INSTRUCTION},
+           {"role": "assistant", "content": "31 + 42 = 73. The answer is \\boxed{73}."}]
 SETTINGS = {}
 
 
@@ -40,7 +40,7 @@ def problems(split, n, seed):
 def prompt(problem):
     if "prompt" in problem:  # a dataset's own prompt, as written
         return [{"role": "user", "content": problem["prompt"]}]
-    return [{"role": "user", "content": PROMPT.format(question=problem["question"])}]
+    return EXAMPLE + [{"role": "user", "content": f"{problem['question']} {INSTRUCTION}"}]
 
 
 def reward(completion, problem):
