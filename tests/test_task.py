@@ -182,7 +182,8 @@ def test_columns_are_renamed_by_the_setting(tmp_path):
     cfg, task = setup("--task=math", f"--data_path={path}", "--data_columns=problem:question,solution:answer")
     p = load_problems(cfg, task, "train")[0]
     assert set(p) == {"question", "answer", "id"} and p["id"].startswith("mine.jsonl:")
-    assert "Think step by step" in task.prompt(p)[0]["content"]  # "question" gets the task's instructions
+    # "question" gets the task's instructions, after its worked example
+    assert task.prompt(p)[-1]["content"] == f"{p['question']} Put your final answer within \\boxed{{}}."
     with pytest.raises(DataError, match="line 1: no column 'problem'"):
         cfg, task = setup("--task=math", f"--data_path={write_dataset(tmp_path / 'b', 'jsonl', MATH_ROWS)}",
                           "--data_columns=problem:question")
