@@ -1,8 +1,7 @@
 """Pre-flight (O6): the memory an update needs, estimated before any model loads, against the device.
 
-    python preflight.py --config config/countdown_3b.py  # the estimate, term by term
+    python preflight.py --config config/countdown_3b.py  # the config, the estimate term by term
     python preflight.py --config config/countdown_3b.py --device_memory_gb=80  # and the fit
-    python config.py --config config/countdown_3b.py     # the config, the estimate, the task
 
 SHAPES holds the few config.json fields of the models the shipped run files use, so the estimate
 needs no download; any other model is read from its local config.json.
@@ -366,7 +365,10 @@ def check_cache_switch(cfg):
 if __name__ == "__main__":  # python preflight.py --config RUN_FILE [--device_memory_gb=80]
     from config import config_from_argv
 
-    cfg = config_from_argv(sys.argv[1:])
+    try:
+        cfg = config_from_argv(sys.argv[1:])
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
     for f in dataclasses.fields(cfg):
         print(f"{f.name:24s} = {getattr(cfg, f.name)!r}")
     shape = model_shape(cfg.model)
