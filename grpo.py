@@ -7,10 +7,10 @@
 
 Each step, as main() runs it, one named function a phase:
     engine.wake          wake the sampling engine and push the policy's weights into it (R1, R2)
-    collect_rollouts     sample prompts, generate G completions each, score them; refills (R3, R7, W1)
+    collect_rollouts     sample prompts, generate G completions each, score them (R3, R7, W1)
     engine.sleep         its GPU memory goes to the update (R1)
     group_advantages     each completion's reward against its own group's (A1-A3): GRPO's baseline
-    prepare_update       padded tensors, response masks, micro-batches, global token counts (L2, L3, O3)
+    prepare_update       padded tensors, response masks, micro-batches, token counts (L2, L3, O3)
     old_and_ref_logprobs the old and the reference policy's logprobs, once per batch (F1, L5, L7)
     update_policy        the clipped policy-gradient epochs, a step per mini-batch (L1-L7, O1, O2)
     adapt_beta           the KL weight follows the measured KL (F2)
@@ -24,46 +24,39 @@ Where this departs from the GRPO paper (each is a setting in config.py):
  3. Group std is the unbiased one with a floor of 1e-4 (A2); the paper does not say.
  4. One update per batch by default (num_iterations = 1, L7), so the ratio starts at exactly 1.
  5. Weights kept in fp32 with bf16 autocast on a GPU, logprobs and loss in fp32 (L6, O5).
- 6. Optional DAPO pieces (clip-higher, dynamic sampling, overlong masking), GSPO's sequence-level
-    ratio, and length shaping; all off by default.
+ 6. A group whose rewards are all equal leaves the update (DAPO's filter without its refill, R7):
+    its advantages are 0, so it would only add KL. The rest of DAPO (clip-higher, the refill,
+    overlong masking), GSPO's sequence-level ratio and length shaping are off by default.
 
-The optional machinery sits behind one setting each, read second: tools.py (tools), perf/ (each
-prompt once, chunked and fused logprobs, the CPU settings).
+Read second: prepare.py (setting up a run), evals.py (pass@k, maj@n, eval sets), log.py (metrics),
+and the optional machinery, one setting each: tools.py (tools), perf/ (each prompt once, chunked
+and fused logprobs, the CPU settings).
 """
 
-import collections
-import copy
 import functools
-import glob
 import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
-import transformers
 from tqdm import tqdm
 
 import parallel
 from advantage import group_advantages, group_stats
-from checkpoint import TrainState, claim_out_dir, load_checkpoint, save_checkpoint
-from config import ConfigError, config_from_argv, save_config
-from data.sampler import CurriculumSampler, PromptSampler
-from log import Logger, dump_samples, memory_gb, output_to, peak_memory_gb, timed
+from checkpoint import TrainState, load_checkpoint, save_checkpoint
+from config import ConfigError
+from evals import eval_table, sampled_metrics
+from log import Logger, dump_samples, memory_gb, rollout_metrics, step_metrics, timed, warn_on_parity
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
-from model import load_policy, load_reference, model_path, push_weights_iter, sequence_logprobs
-from perf import cpu, shared_prompt
-from perf.logprobs import fused_head_unsupported
-from preflight import BUILT_HERE, check_model_source, preflight
-from rollout import HFEngine, VLLMEngine, auto_engine, derive_seed
-from sandbox import run_python
-from task import check_sandbox, check_task_output, load_problems, load_task, score, tokenize_prompts
-from tools import ToolEngine
+from model import push_weights_iter, sequence_logprobs
+from perf import shared_prompt
+from prepare import Split, build_models, eval_split, make_engine, make_sampler, prepare_run
+from rollout import derive_seed
+from task import score, tokenize_prompts
 
 # ---------------------------------------------------------------- seeds
 
@@ -80,7 +73,7 @@ def row_seeds(key, first, count, n):
 
 
 def sampling_seeds(cfg, step, first, count):
-    """row_seeds of training step `step`: G rows for each of `count` prompts from slot `first` on."""
+    """row_seeds of training step `step`: G rows for each of `count` prompts from slot `first`."""
     return row_seeds((cfg.seed, "train", step), first, count, cfg.group_size)
 
 
@@ -96,21 +89,12 @@ def temperature_at(step, cfg):
 
 
 @dataclass
-class Split:
-    """A task's problems of one split and their prompts as token ids."""
-
-    task: object  # task.Task
-    problems: list  # problem dicts
-    prompt_ids: list  # one list of token ids per problem
-    name: str = ""  # an eval_tasks set's name (eval/<name>/...); "" for the training task's
-
-
-@dataclass
 class Rollouts:
-    """Scored completions of whole groups: the G rows of a prompt are contiguous. Fields are (N,)."""
+    """Scored completions of whole groups, the G rows of a prompt contiguous. Fields are (N,)."""
 
     problem: list  # index of each row's problem
-    completions: list  # rollout.Completion per row; empty in a gathered() copy (they stay on their rank)
+    # rollout.Completion per row; empty in a gathered() copy (they stay on their rank)
+    completions: list
     rewards: torch.Tensor  # shaped reward per row (W2, W3)
     components: dict  # reward component name -> (N,) tensor
     lengths: torch.Tensor  # completion tokens per row
@@ -212,7 +196,8 @@ def generate_and_score(engine, train, idx, seeds, cfg, temperature):
                                 [c.completion_ids for c in completions])
     score_seconds = time.perf_counter() - start
     tool_errors = torch.tensor([float(c.tool_errors) for c in completions])
-    if cfg.tool_error_penalty:  # a failed call costs a little: the model learns to write code that runs
+    # a failed call costs a little: the model learns to write code that runs
+    if cfg.tool_error_penalty:
         rewards = rewards - cfg.tool_error_penalty * tool_errors
     return Rollouts(
         problem=problem,
@@ -308,7 +293,7 @@ def pad_batch(completions, pad_id):
 
 
 def micro_batches(lengths, budget):
-    """O3: rows, longest first, in micro-batches whose padded size (rows x longest) fits `budget`."""
+    """O3: rows, longest first, in micro-batches whose padded size (rows x longest) fits budget."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # similar lengths: less padding
     out, current = [], []
     for i in order:
@@ -321,7 +306,7 @@ def micro_batches(lengths, budget):
 
 @dataclass
 class MiniBatch:
-    """The rows of one optimizer step: their micro-batches, and the global counts its loss divides by."""
+    """One optimizer step's rows: their micro-batches, the global counts its loss divides by."""
 
     micro: list  # micro-batches: lists of row indices (O3)
     num_tokens: int  # response tokens of the global mini-batch: the token-mean denominator (L2)
@@ -341,7 +326,8 @@ class UpdateBatch:
     groups: torch.Tensor  # (N,) each row's group: its rows share their prompt (shared_prompt)
     minis: list  # MiniBatch per optimizer step of an epoch: one, or mini_batches of them (L7)
     tokens: float  # real tokens (prompt + completion) of the global batch's rows
-    computed: float  # positions a pass over the global batch computes: padding in, shared prompts once
+    # positions a pass over the global batch computes: padding in, shared prompts once
+    computed: float
     computed_real: float  # the real tokens among them (pad_frac = 1 - computed_real / computed)
     has_sampler_logprobs: bool  # False for greedy samples, or an engine without logprobs
 
@@ -357,8 +343,9 @@ class UpdateBatch:
 
 
 def mini_batch_rows(num_rows, G, mini_batches, first_group):
-    """Row indices of each mini-batch: global group g goes to mini-batch g % mini_batches, so N ranks
-    split the batch as one process does (first_group: the global index of this rank's first group)."""
+    """Row indices of each mini-batch: global group g goes to mini-batch g % mini_batches, so N
+    ranks split the batch as one process does (first_group: the global index of this rank's first
+    group)."""
     groups = range(num_rows // G)
     return [[g * G + j for g in groups if (first_group + g) % mini_batches == k for j in range(G)]
             for k in range(mini_batches)]
@@ -408,7 +395,8 @@ def prepare_update(batch, advantages, cfg, pad_id, device):
     return UpdateBatch(**t, minis=minis, tokens=parallel.all_sum(attention.sum()),
                        computed=parallel.all_sum(computed),
                        computed_real=parallel.all_sum(computed_real),
-                       has_sampler_logprobs=bool(batch.completions and batch.completions[0].logprobs))
+                       has_sampler_logprobs=bool(batch.completions
+                                                 and batch.completions[0].logprobs))
 
 
 # ---------------------------------------------------------------- the passes (F1, L5-L7)
@@ -515,8 +503,8 @@ def update_policy(train_model, optimizer, params, ub, passes, cfg, temperature, 
             desc = f"update {epoch + 1}/{cfg.num_iterations}"
             if len(ub.minis) > 1:
                 desc += f", mini-batch {k + 1}/{len(ub.minis)}"
-            loss = accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state, sums,
-                                        parity if epoch == 0 else None, desc)
+            loss = accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
+                                        sums, parity if epoch == 0 else None, desc)
             loss = parallel.all_sum(loss)  # the global loss: every rank skips or steps alike
             grad_norm, stepped = optimizer_step(optimizer, params, loss, cfg.grad_clip)
             skipped += count_nonfinite(stepped, state, cfg, loss, grad_norm)
@@ -556,7 +544,8 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
             **cfg.loss,
         )
         # micro-batch losses share the global mini-batch's denominator, so gradients add up (L2);
-        # DDP and FSDP average gradients over ranks, where the batch's gradient is their sum: x world
+        # DDP and FSDP average gradients over ranks, where the batch's gradient is their sum:
+        # x world
         (loss * world).backward()
         loss_total += loss.item()
         add_token_weighted(sums, {**mb_metrics, **is_metrics})
@@ -613,182 +602,7 @@ def adapt_beta(state, kl, cfg):
         state.kl_history = []
 
 
-# ---------------------------------------------------------------- metrics (M1), parity (R2)
-
-
-def mean_of(components, name):
-    """The mean of a reward component, or None when the task does not report it."""
-    return components[name].mean().item() if name in components else None
-
-
-def rollout_metrics(step, drawn, stats, batch, rounds, beta, temperature, cfg):
-    """M1 and A4 over every rollout drawn this step (all ranks); with R7, the kept batch's too."""
-    comps = drawn.components
-    out = {
-        "step": step,
-        "reward": drawn.rewards.mean().item(),
-        "reward_std": drawn.rewards.std().item(),
-        **{f"reward/{k}": v.mean().item() for k, v in comps.items()
-           if k not in ("errors", "timeouts")},
-        "reward/errors": int(comps["errors"].sum()),  # completions whose reward raised or hung
-        "reward/timeouts": int(comps["timeouts"].sum()),  # of those, the ones past reward_timeout
-        "acc": mean_of(comps, "correct"),  # None for a task without a notion of correct
-        "format": mean_of(comps, "format"),
-        "response_length": drawn.lengths.mean().item(),
-        "truncated": drawn.truncated.mean().item(),
-        "gen_tokens": int(drawn.lengths.sum()),
-        "group_std": stats["group_std"],
-        "effective_group_ratio": stats["effective_group_ratio"],
-        "frac_reward_zero_std": stats["frac_reward_zero_std"],
-    }
-    if cfg.tools:  # multi-turn rollouts: how much the model uses the tool, and how well
-        calls = drawn.tool_calls.sum().item()
-        out["tools/calls_per_completion"] = calls / len(drawn)
-        out["tools/error_rate"] = drawn.tool_errors.sum().item() / calls if calls else None
-        out["tools/share_using"] = (drawn.tool_calls > 0).float().mean().item()
-        out["tools/output_tokens"] = int(drawn.tool_tokens.sum())  # context, not trained on
-    if cfg.dynamic_sampling or cfg.drop_zero_std_groups:  # R7: what the update trained on
-        kept = batch.gathered()
-        out["kept/prompts"] = len(kept) // cfg.group_size
-        # the share of the groups drawn that the update left out (no refill: the batch shrinks)
-        out["dropped_groups"] = 1 - len(kept) / len(drawn)
-        out["kept/reward"] = kept.rewards.mean().item() if len(kept) else None
-        out["kept/acc"] = mean_of(kept.components, "correct") if len(kept) else None
-        out["drawn/prompts"] = len(drawn) // cfg.group_size
-    out["beta"] = beta
-    out["temperature"] = temperature
-    out["refill_rounds"] = rounds
-    return out
-
-
-def step_metrics(update, ub, lr):
-    """M1 of the update: global sums over ranks, token means, parity, token counts, memory."""
-    sums = {k: parallel.all_sum(v) for k, v in update.sums.items()}
-    n_tok = max(sums.get("num_tokens", 0.0), 1.0)
-    out = {
-        "loss": update.loss,
-        "kl": sums["kl"] / n_tok if "kl" in sums else None,
-        "grad_norm": update.grad_norm.item(),
-        "lr": lr,
-        "skipped_updates": update.skipped,
-        "optimizer_steps": update.steps,
-    }
-    for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy",
-              "is_weight_mean", "is_limited_frac", "dual_clip_frac", "pg_token_frac"):
-        if k in sums:
-            out[k] = sums[k] / n_tok
-    out["sampler_logprob_diff_mean"] = None
-    out["sampler_logprob_diff_max"] = None
-    if parallel.all_max(len(update.parity)) > 0:
-        gap = parallel.all_sum(sum(s for s, _ in update.parity))
-        out["sampler_logprob_diff_mean"] = gap / max(ub.num_tokens, 1)
-        out["sampler_logprob_diff_max"] = parallel.all_max(max((m for _, m in update.parity),
-                                                               default=0.0))
-    out["tokens"] = int(ub.tokens)
-    out["tokens_computed"] = int(ub.computed)  # below `tokens` when prompts are shared
-    out["pad_frac"] = 1 - ub.computed_real / ub.computed
-    out["mem/peak_gb"] = peak_memory_gb()
-    return out
-
-
-def warn_on_parity(metrics, cfg, step, next_warning):
-    """R2: warn, at most every 10 steps, when the sampler's logprobs stray from the trainer's."""
-    gap = metrics["sampler_logprob_diff_mean"]
-    if gap is None or gap <= cfg.parity_warn_eff or step < next_warning:
-        return next_warning
-    print(f"warning: step {step}: sampler vs trainer logprob gap {gap:.2e} > "
-          f"{cfg.parity_warn_eff} (parity_warn, {cfg.dtype}); usual causes: stale weights (a push "
-          "skipped, or weights reloaded from disk), a temperature mismatch, or top_p/top_k < 1 "
-          "(the trainer does not truncate)")
-    return step + 10
-
-
 # ---------------------------------------------------------------- eval (M2)
-
-
-def pass_at_k(n, c, k):
-    """The unbiased pass@k of Chen et al. 2021 (the Codex paper): the chance that k samples drawn
-    without replacement from n, of which c are correct, hold a correct one.
-
-        pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod over i = n - c + 1 .. n of (1 - k / i)
-
-    The product is the paper's numerically stable form: it never forms the binomials, which outgrow
-    a float past n ~ 1000. The plug-in 1 - (1 - c / n)^k often written instead is biased.
-    Example: n = 5, c = 2 -> pass@1 = 0.4, pass@2 = 0.7, pass@5 = 1.0; c = 0 -> 0.0 for every k.
-    """
-    if n - c < k:  # every k of the n hold a correct one
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def pass_ks(n):
-    """The k of the pass@k logged from n samples: every k <= n up to n = 8; above, the powers of 2
-    below n and n itself (n = 100: 1, 2, 4, ..., 64, 100)."""
-    if n <= 8:
-        return list(range(1, n + 1))
-    return [2**i for i in range(n.bit_length()) if 2**i < n] + [n]
-
-
-def majority_correct(answers, correct):
-    """maj@n of one problem: is the most common answer among its n samples a correct one?
-
-    answers: each sample's final answer (task.answer), None where it gave none (no vote); correct:
-    each sample's 1/0. An answer is as correct as the first sample that gave it. A tie scores the
-    share of the tied answers that are correct: the expected maj@n of breaking it at random. No
-    vote at all scores 0.
-    Example: ["7", "7", "3", None], [1, 1, 0, 0] -> 1.0;  ["7", "3", "3", "7"], [1, 0, 0, 1] -> 0.5.
-    """
-    votes = collections.Counter(a for a in answers if a is not None)
-    if not votes:
-        return 0.0
-    first = {}
-    for a, ok in zip(answers, correct):
-        if a is not None:
-            first.setdefault(a, float(ok))
-    top = max(votes.values())
-    tied = [a for a, count in votes.items() if count == top]
-    return sum(first[a] for a in tied) / len(tied)
-
-
-def task_answers(task, texts, problems):
-    """task.answer(completion, problem) of each completion, as a string; None where it gives none or
-    raises (that completion casts no maj@n vote)."""
-    out = []
-    for text, problem in zip(texts, problems):
-        try:
-            value = task.answer(task.completion_prefix + text, problem)  # what the reward sees
-        except Exception as e:  # a parser's bug costs votes, not the run
-            warnings.warn(f"{task.where}: answer() raised {type(e).__name__}; that completion "
-                          "casts no maj@n vote")
-            value = None
-        out.append(None if value is None else str(value))
-    return out
-
-
-def sampled_metrics(test, sampled, cfg):
-    """avg@n, pass@k (for each k of pass_ks) and, where the task defines answer(), maj@n, from n
-    samples per problem.
-
-    avg@n is the mean "correct", a share counted as it is (the code task's share of tests passed);
-    pass@k and maj@n count a sample correct where "correct" >= 1. mean_correct_sampled is avg@n's
-    older name, kept for the plots and tables that read it.
-    """
-    n = cfg.eval_n
-    flat = [c for g in sampled for c in g]
-    texts = [c.text for c in flat]
-    problems = [p for p in test.problems for _ in range(n)]
-    _, comps = score(test.task, texts, problems, [len(c.completion_ids) for c in flat], cfg,
-                     [c.completion_ids for c in flat])
-    correct = comps.get("correct", torch.zeros(len(flat))).view(-1, n)  # (problems, n)
-    right = (correct >= 1).int().tolist()
-    out = {f"avg@{n}": correct.mean().item(), "mean_correct_sampled": correct.mean().item()}
-    for k in pass_ks(n):
-        out[f"pass@{k}"] = sum(pass_at_k(n, sum(row), k) for row in right) / len(right)
-    if test.task.answer is not None:
-        answers = task_answers(test.task, texts, problems)
-        votes = [majority_correct(answers[i * n : (i + 1) * n], row) for i, row in enumerate(right)]
-        out[f"maj@{n}"] = sum(votes) / len(votes)
-    return out
 
 
 def evaluate(engine, test, cfg, seed, sampled=True):
@@ -854,36 +668,6 @@ def eval_due(engine, eval_sets, cfg, step):
     return {**metrics, "eval/updates": step, "time/eval": time.perf_counter() - start}
 
 
-def eval_table(eval_sets, metrics, task_name):
-    """eval_only's summary: a row per eval set, a column per metric ("-" where a set has none)."""
-    rows = []
-    for split in eval_sets:
-        prefix = f"eval/{split.name}/" if split.name else "eval/"
-        # a set's own metrics; under the plain prefix, not another set's eval/<name>/...
-        own = {k[len(prefix) :]: v for k, v in metrics.items()
-               if k.startswith(prefix) and "/" not in k[len(prefix) :]}
-        rows.append([split.name or f"{task_name} (test split)", str(len(split.problems)), own])
-    # in the order of the set with the most metrics; mean_correct_sampled is avg@n again, and
-    # eval/updates (the training loop's) no set's
-    fullest = sorted(rows, key=lambda row: -len(row[2]))
-    columns = [k for k in dict.fromkeys(k for *_, own in fullest for k in own)
-               if k not in ("mean_correct_sampled", "updates")]
-    table = [["eval set", "problems", *columns]]
-    for name, count, own in rows:
-        table.append([name, count, *(table_cell(own, k) for k in columns)])
-    widths = [max(map(len, column)) for column in zip(*table)]
-    lines = [[row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-             for row in table]
-    return "\n".join("  ".join(line) for line in lines)
-
-
-def table_cell(metrics, key):
-    """A metric as eval_table shows it: a length to 0.1 token, a share to 0.001; "-" if missing."""
-    if key not in metrics:
-        return "-"
-    return f"{metrics[key]:.1f}" if key == "response_length" else f"{metrics[key]:.3f}"
-
-
 def eval_only(cfg, engine, policy, eval_sets):
     """M2 on the weights as they are (the model, or init_from): a table of every eval set; all of
     it, with a few examples to read, appended to eval.jsonl."""
@@ -904,7 +688,8 @@ def eval_only(cfg, engine, policy, eval_sets):
 
 def end_step(cfg, step, metrics, t_step, engine, policy, eval_sets, logger, save):
     """M2 after the last update, the log line (written before the checkpoint, so a resume never
-    loses it), the checkpoint when one is due. Returns the checkpoint's seconds (logged next step)."""
+    loses it), the checkpoint when one is due. Returns the checkpoint's seconds (logged next
+    step)."""
     last = step == cfg.max_steps - 1
     if last:
         t0 = time.perf_counter()
@@ -919,135 +704,6 @@ def end_step(cfg, step, metrics, t_step, engine, policy, eval_sets, logger, save
     if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
         save()
     return time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------- setting up a run
-
-
-def prepare_run(argv):
-    """Config, pre-flight, the model folder, the data: what can fail fails before a model loads (O6)."""
-    cfg = config_from_argv(argv)
-    transformers.utils.logging.disable_progress_bar()  # loading 135M weights needs no progress bar
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    rank, _, device = parallel.setup(device)  # under torchrun: join the process group
-    if device == "cpu" and cfg.cpu_keep_memory and not cpu.keep_freed_memory():
-        print("cpu_keep_memory: this C library has no mallopt (not glibc); its allocator is left "
-              "as it is")
-    if rank > 0:
-        sys.stdout = open(os.devnull, "w")  # one console: rank 0's (errors still reach stderr)
-    if cfg.model not in BUILT_HERE:  # a hub name that cannot be had fails now, not after retries
-        check_model_source(cfg.model)
-    preflight(cfg)
-    task = load_task(cfg)  # a task file that lacks a function fails here
-    try:
-        problems = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
-    except ValueError as e:  # a malformed dataset row (DataError), or too few distinct problems
-        raise ConfigError(str(e)) from e
-    check_sandbox(cfg, task, problems[0] + problems[1])  # the model's code runs only sandboxed
-    check_task_output(task, problems[0], cfg)  # prompt() and reward() give what a run needs
-    eval_tasks = load_eval_tasks(cfg)  # each checked as the training task is
-    resume_from = claim_out_dir(cfg, rank)  # a second run, another run's files, changed settings
-    with parallel.local_rank0_first():  # one rank per machine builds or converts the model folder
-        path = model_path(cfg)
-        for partial in glob.glob(os.path.join(cfg.out_dir, ".tmp_ckpt_*")):  # a killed save's
-            shutil.rmtree(partial, ignore_errors=True)  # (out_dir may be shared by machines)
-    check_model_source(path)
-    if cfg.init_from:
-        check_model_source(cfg.init_from)
-    if rank == 0:
-        save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
-    return cfg, device, path, resume_from, task, problems, eval_tasks
-
-
-def load_eval_tasks(cfg):
-    """eval_tasks (M2): [(name, task, problems)] of each set, loaded and checked as the training
-    task is (O6). Its problems: its test split (test_size of them), or a data file's every test row
-    (a file without splits: every row). Its name: its file's or task's, less folder and suffix."""
-    sets = []
-    for spec in filter(None, (s.strip() for s in cfg.eval_tasks.split(","))):
-        name = os.path.splitext(os.path.basename(spec.rstrip("/")))[0]
-        if name in [s[0] for s in sets]:
-            raise ConfigError(f"eval_tasks={cfg.eval_tasks!r}: two sets named {name!r} (a set is "
-                              "named by its file or task); rename one of the files")
-        own = copy.copy(cfg)  # the run's settings, but the set's own task and data
-        own.task, own.data_path, own.data_name, own.data_column_map = spec, "", "", {}
-        try:
-            task = load_task(own)
-            problems = load_problems(own, task, "eval")
-        except ValueError as e:  # a ConfigError, or a malformed row (DataError)
-            if "problems(split, n, seed)" in str(e):  # a task that reads a dataset, as gsm8k
-                raise ConfigError(f"eval_tasks: {spec} has no problems() of its own (it reads "
-                                  "data_path, which is the training task's); name the data file "
-                                  "itself, e.g. eval_tasks=data/gsm8k_test.jsonl (tasks/dataset.py "
-                                  "scores its math and code rows)") from None
-            raise ConfigError(f"eval_tasks: {spec}: {e}") from None
-        check_sandbox(own, task, problems)  # an eval set's code runs sandboxed too
-        check_task_output(task, problems, own)
-        sets.append((name, task, problems))
-    return sets
-
-
-def eval_split(tokenizer, name, task, problems, cfg):
-    """An eval_tasks set as a Split, its prompts tokenised once."""
-    try:
-        prompt_ids = tokenize_prompts(tokenizer, task, problems, cfg.max_prompt_len)
-        return Split(task, problems, prompt_ids, name)
-    except ConfigError as e:  # a prompt too long for max_prompt_len: say which set
-        raise ConfigError(f"eval_tasks: {name}: {e}") from None
-
-
-def build_models(cfg, path, device, resume_from):
-    """The policy (fp32 master weights), its update wrapper, the reference (F1), the optimizer."""
-    torch.manual_seed(cfg.seed)
-    weights = resume_from if resume_from and not cfg.lora_rank else (cfg.init_from or path)
-    adapter = resume_from if cfg.lora_rank else None
-    tokenizer, policy = load_policy(cfg, weights, device, adapter=adapter)
-    policy.train()
-    why = fused_head_unsupported(policy) if cfg.fused_logprobs else None
-    if why:  # the plain logits path is always exact
-        print(f"fused_logprobs off: {why}; logprobs come from the full logits")
-        cfg.fused_logprobs = False
-    # under torchrun: FSDP2 shards `policy` in place (train_model is policy); DDP wraps it
-    train_model = parallel.wrap(policy, cfg.parallel, cfg.dtype)
-    ref = None
-    if cfg.beta > 0 and not cfg.lora_rank:  # with LoRA the reference is the base, adapters off
-        # the weights the run starts from (init_from, as TRL and verl take the reference), as with
-        # LoRA, whose base is init_from: at step 0 the KL is 0 either way
-        ref = load_reference(cfg.init_from or path, device, cfg.ref_offload)
-        ref = parallel.wrap(ref, cfg.parallel, cfg.dtype, trainable=False)
-    params = [p for p in policy.parameters() if p.requires_grad]  # after wrapping: FSDP2's shards
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas,
-                                  weight_decay=cfg.weight_decay)
-    return tokenizer, policy, train_model, ref, params, optimizer
-
-
-def make_sampler(cfg, num_prompts):
-    """D2's curriculum, or D3's shuffled epochs."""
-    if cfg.curriculum:
-        return CurriculumSampler(num_prompts, cfg.seed, easy_above=cfg.curriculum_easy_above,
-                                 hard_below=cfg.curriculum_hard_below,
-                                 ramp_steps=cfg.curriculum_ramp_steps)
-    return PromptSampler(num_prompts, cfg.seed)
-
-
-def make_engine(cfg, path, device, policy, tokenizer):
-    """The sampling engine (R1): vLLM colocated, or the policy itself; wrapped for tool calls."""
-    # vLLM's start-up output (warnings about Triton, NUMA, thread binding) goes to a file, not the
-    # console; it is printed if the start fails
-    name = auto_engine() if cfg.engine == "auto" else cfg.engine  # auto: vLLM if it imports
-    if name == "vllm":
-        with output_to(os.path.join(cfg.out_dir, "engine.log")):
-            engine = VLLMEngine(path, cfg, device)
-    else:  # the policy itself samples, in the trainer's compute dtype
-        # FSDP2: every rank steps until the slowest is done
-        synced = parallel.world() > 1 and cfg.parallel == "fsdp"
-        engine = HFEngine(policy, tokenizer, synced_gpus=synced, dtype=cfg.dtype)
-    if cfg.tools:  # multi-turn rollouts: the model may run Python mid-completion, in the sandbox
-        run = functools.partial(run_python, timeout=cfg.tool_timeout,
-                                max_output=cfg.tool_output_chars)
-        engine = ToolEngine(engine, tokenizer, cfg.max_tool_calls, run,
-                            (cfg.tool_open, cfg.tool_close))
-    return engine, name
 
 
 # ---------------------------------------------------------------- the run
@@ -1075,7 +731,8 @@ def main(argv, wrap_engine=lambda engine: engine):
         return policy
     logger = Logger(cfg, state.run_id) if parallel.rank() == 0 else None
     # save() writes a checkpoint of the run as it stands when called (state is one object)
-    save = functools.partial(save_checkpoint, cfg, policy, ref, tokenizer, optimizer, sampler, state)
+    save = functools.partial(save_checkpoint, cfg, policy, ref, tokenizer, optimizer, sampler,
+                             state)
     G = cfg.group_size
     checkpoint_seconds = 0.0
     next_parity_warning = 0

@@ -138,3 +138,92 @@ class Logger:
         left = sorted(self.step_seconds)[len(self.step_seconds) // 2] * (self.max_steps - step - 1)
         print(f"step {step} | {line} | left {int(left // 60)}m{int(left % 60):02d}s", flush=True)
 
+
+# ---------------------------------------------------------------- metrics (M1), parity (R2)
+
+
+def mean_of(components, name):
+    """The mean of a reward component, or None when the task does not report it."""
+    return components[name].mean().item() if name in components else None
+
+
+def rollout_metrics(step, drawn, stats, batch, rounds, beta, temperature, cfg):
+    """M1 and A4 over every rollout drawn this step (all ranks); with R7, the kept batch's too."""
+    comps = drawn.components
+    out = {
+        "step": step,
+        "reward": drawn.rewards.mean().item(),
+        "reward_std": drawn.rewards.std().item(),
+        **{f"reward/{k}": v.mean().item() for k, v in comps.items()
+           if k not in ("errors", "timeouts")},
+        "reward/errors": int(comps["errors"].sum()),  # completions whose reward raised or hung
+        "reward/timeouts": int(comps["timeouts"].sum()),  # of those, the ones past reward_timeout
+        "acc": mean_of(comps, "correct"),  # None for a task without a notion of correct
+        "format": mean_of(comps, "format"),
+        "response_length": drawn.lengths.mean().item(),
+        "truncated": drawn.truncated.mean().item(),
+        "gen_tokens": int(drawn.lengths.sum()),
+        "group_std": stats["group_std"],
+        "effective_group_ratio": stats["effective_group_ratio"],
+        "frac_reward_zero_std": stats["frac_reward_zero_std"],
+    }
+    if cfg.tools:  # multi-turn rollouts: how much the model uses the tool, and how well
+        calls = drawn.tool_calls.sum().item()
+        out["tools/calls_per_completion"] = calls / len(drawn)
+        out["tools/error_rate"] = drawn.tool_errors.sum().item() / calls if calls else None
+        out["tools/share_using"] = (drawn.tool_calls > 0).float().mean().item()
+        out["tools/output_tokens"] = int(drawn.tool_tokens.sum())  # context, not trained on
+    if cfg.dynamic_sampling or cfg.drop_zero_std_groups:  # R7: what the update trained on
+        kept = batch.gathered()
+        out["kept/prompts"] = len(kept) // cfg.group_size
+        # the share of the groups drawn that the update left out (no refill: the batch shrinks)
+        out["dropped_groups"] = 1 - len(kept) / len(drawn)
+        out["kept/reward"] = kept.rewards.mean().item() if len(kept) else None
+        out["kept/acc"] = mean_of(kept.components, "correct") if len(kept) else None
+        out["drawn/prompts"] = len(drawn) // cfg.group_size
+    out["beta"] = beta
+    out["temperature"] = temperature
+    out["refill_rounds"] = rounds
+    return out
+
+
+def step_metrics(update, ub, lr):
+    """M1 of the update: global sums over ranks, token means, parity, token counts, memory."""
+    sums = {k: parallel.all_sum(v) for k, v in update.sums.items()}
+    n_tok = max(sums.get("num_tokens", 0.0), 1.0)
+    out = {
+        "loss": update.loss,
+        "kl": sums["kl"] / n_tok if "kl" in sums else None,
+        "grad_norm": update.grad_norm.item(),
+        "lr": lr,
+        "skipped_updates": update.skipped,
+        "optimizer_steps": update.steps,
+    }
+    for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy",
+              "is_weight_mean", "is_limited_frac", "dual_clip_frac", "pg_token_frac"):
+        if k in sums:
+            out[k] = sums[k] / n_tok
+    out["sampler_logprob_diff_mean"] = None
+    out["sampler_logprob_diff_max"] = None
+    if parallel.all_max(len(update.parity)) > 0:
+        gap = parallel.all_sum(sum(s for s, _ in update.parity))
+        out["sampler_logprob_diff_mean"] = gap / max(ub.num_tokens, 1)
+        out["sampler_logprob_diff_max"] = parallel.all_max(max((m for _, m in update.parity),
+                                                               default=0.0))
+    out["tokens"] = int(ub.tokens)
+    out["tokens_computed"] = int(ub.computed)  # below `tokens` when prompts are shared
+    out["pad_frac"] = 1 - ub.computed_real / ub.computed
+    out["mem/peak_gb"] = peak_memory_gb()
+    return out
+
+
+def warn_on_parity(metrics, cfg, step, next_warning):
+    """R2: warn, at most every 10 steps, when the sampler's logprobs stray from the trainer's."""
+    gap = metrics["sampler_logprob_diff_mean"]
+    if gap is None or gap <= cfg.parity_warn_eff or step < next_warning:
+        return next_warning
+    print(f"warning: step {step}: sampler vs trainer logprob gap {gap:.2e} > "
+          f"{cfg.parity_warn_eff} (parity_warn, {cfg.dtype}); usual causes: stale weights (a push "
+          "skipped, or weights reloaded from disk), a temperature mismatch, or top_p/top_k < 1 "
+          "(the trainer does not truncate)")
+    return step + 10

@@ -15,6 +15,7 @@ from fractions import Fraction
 
 import pytest
 
+import evals
 import grpo
 from config import ConfigError, load_config
 from rollout import Completion
@@ -29,14 +30,14 @@ TINY = ["--config", os.path.join(ROOT, "config", "tiny.py")]
 
 def test_pass_at_k_hand_worked():
     """n = 5, c = 2: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10; 1 once k > n - c."""
-    assert grpo.pass_at_k(5, 2, 1) == pytest.approx(0.4, abs=1e-12)
-    assert grpo.pass_at_k(5, 2, 2) == pytest.approx(0.7, abs=1e-12)
-    assert grpo.pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10, abs=1e-12)  # 1 - C(3,3)/C(5,3)
-    assert grpo.pass_at_k(5, 2, 4) == 1.0 and grpo.pass_at_k(5, 2, 5) == 1.0
+    assert evals.pass_at_k(5, 2, 1) == pytest.approx(0.4, abs=1e-12)
+    assert evals.pass_at_k(5, 2, 2) == pytest.approx(0.7, abs=1e-12)
+    assert evals.pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10, abs=1e-12)  # 1 - C(3,3)/C(5,3)
+    assert evals.pass_at_k(5, 2, 4) == 1.0 and evals.pass_at_k(5, 2, 5) == 1.0
     for n in (1, 4, 5, 16):
         for k in range(1, n + 1):
-            assert grpo.pass_at_k(n, 0, k) == 0.0  # nothing correct: no k can hold one
-            assert grpo.pass_at_k(n, n, k) == 1.0  # everything correct
+            assert evals.pass_at_k(n, 0, k) == 0.0  # nothing correct: no k can hold one
+            assert evals.pass_at_k(n, n, k) == 1.0  # everything correct
 
 
 def test_pass_at_k_is_the_chance_that_k_drawn_without_replacement_hold_a_correct_one():
@@ -48,34 +49,34 @@ def test_pass_at_k_is_the_chance_that_k_drawn_without_replacement_hold_a_correct
             for k in range(1, n + 1):
                 subsets = list(itertools.combinations(samples, k))
                 want = sum(any(s) for s in subsets) / len(subsets)
-                assert grpo.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
+                assert evals.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
     exact = 1 - Fraction(math.comb(1990, 64), math.comb(2000, 64))  # binomials far past a float
-    assert grpo.pass_at_k(2000, 10, 64) == pytest.approx(float(exact), rel=1e-12)
+    assert evals.pass_at_k(2000, 10, 64) == pytest.approx(float(exact), rel=1e-12)
 
 
 def test_pass_ks_every_k_up_to_8_then_powers_of_2_and_n():
-    assert grpo.pass_ks(1) == [1]
-    assert grpo.pass_ks(4) == [1, 2, 3, 4]
-    assert grpo.pass_ks(8) == list(range(1, 9))
-    assert grpo.pass_ks(9) == [1, 2, 4, 8, 9]
-    assert grpo.pass_ks(16) == [1, 2, 4, 8, 16]
-    assert grpo.pass_ks(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert evals.pass_ks(1) == [1]
+    assert evals.pass_ks(4) == [1, 2, 3, 4]
+    assert evals.pass_ks(8) == list(range(1, 9))
+    assert evals.pass_ks(9) == [1, 2, 4, 8, 9]
+    assert evals.pass_ks(16) == [1, 2, 4, 8, 16]
+    assert evals.pass_ks(100) == [1, 2, 4, 8, 16, 32, 64, 100]
 
 
 def test_majority_vote_ties_and_missing_answers():
-    assert grpo.majority_correct(["7", "7", "3", None], [1, 1, 0, 0]) == 1.0
+    assert evals.majority_correct(["7", "7", "3", None], [1, 1, 0, 0]) == 1.0
     # a wrong majority
-    assert grpo.majority_correct(["3", "5", "5", "3", "5"], [1, 0, 0, 1, 0]) == 0.0
+    assert evals.majority_correct(["3", "5", "5", "3", "5"], [1, 0, 0, 1, 0]) == 0.0
     # None casts no vote: one "7" beats no answer three times over
-    assert grpo.majority_correct([None, None, "7", None], [0, 0, 1, 0]) == 1.0
-    assert grpo.majority_correct([None, None], [0, 0]) == 0.0  # no vote at all
+    assert evals.majority_correct([None, None, "7", None], [0, 0, 1, 0]) == 1.0
+    assert evals.majority_correct([None, None], [0, 0]) == 0.0  # no vote at all
     # a tie scores the share of the tied answers that are correct (a random tie-break's expectation)
-    assert grpo.majority_correct(["7", "3", "3", "7"], [1, 0, 0, 1]) == 0.5
-    assert grpo.majority_correct(["1", "2", "3", "4"], [0, 1, 0, 0]) == 0.25
-    assert grpo.majority_correct(["1", "2", "2", "1", "9"], [1, 0, 0, 1, 0]) == 0.5  # "9" not tied
+    assert evals.majority_correct(["7", "3", "3", "7"], [1, 0, 0, 1]) == 0.5
+    assert evals.majority_correct(["1", "2", "3", "4"], [0, 1, 0, 0]) == 0.25
+    assert evals.majority_correct(["1", "2", "2", "1", "9"], [1, 0, 0, 1, 0]) == 0.5  # "9" not tied
     # an answer is as correct as the first completion that gave it
-    assert grpo.majority_correct(["7", "7", "3"], [1, 0, 0]) == 1.0
-    assert grpo.majority_correct(["7", "7", "3"], [0, 1, 0]) == 0.0
+    assert evals.majority_correct(["7", "7", "3"], [1, 0, 0]) == 1.0
+    assert evals.majority_correct(["7", "7", "3"], [0, 1, 0]) == 0.0
 
 
 def test_the_tasks_answers_vote_on_the_final_answer_their_reward_judges():
@@ -195,7 +196,7 @@ def test_eval_table_has_a_row_per_set_and_a_column_per_metric(tmp_path):
                "eval/toy/reward": 1.0, "eval/toy/pass@1_greedy": 0.5, "eval/toy/avg@4": 0.4166667,
                "eval/toy/mean_correct_sampled": 0.4166667, "eval/toy/maj@4": 0.5,
                "eval/toy/response_length": 1.0, "eval/updates": 3}
-    assert grpo.eval_table([main, toy], metrics, "larger").splitlines() == [
+    assert evals.eval_table([main, toy], metrics, "larger").splitlines() == [
         "eval set             problems  reward  pass@1_greedy  avg@4  maj@4  response_length",
         "larger (test split)         2   0.500          0.250      -      -             12.3",
         "toy                         3   1.000          0.500  0.417  0.500              1.0"]

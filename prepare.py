@@ -1,0 +1,142 @@
+"""Setting up a run, before its first step: the config checked, the data, the models, the engine.
+
+grpo.main calls these in order; everything that can fail does so here, before a model loads where
+it can (O6: pre-flight).
+"""
+
+import functools
+import glob
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+import parallel
+from checkpoint import claim_out_dir
+from config import ConfigError, config_from_argv, save_config
+from data.sampler import CurriculumSampler, PromptSampler
+from evals import load_eval_tasks
+from log import output_to
+from model import load_policy, load_reference, model_path
+from perf import cpu
+from perf.logprobs import fused_head_unsupported
+from preflight import BUILT_HERE, check_model_source, preflight
+from rollout import HFEngine, VLLMEngine, auto_engine
+from sandbox import run_python
+from task import check_sandbox, check_task_output, load_problems, load_task, tokenize_prompts
+from tools import ToolEngine
+
+
+@dataclass
+class Split:
+    """A task's problems of one split and their prompts as token ids."""
+
+    task: object  # task.Task
+    problems: list  # problem dicts
+    prompt_ids: list  # one list of token ids per problem
+    name: str = ""  # an eval_tasks set's name (eval/<name>/...); "" for the training task's
+
+
+
+def prepare_run(argv):
+    """Config, pre-flight, the model folder, the data: what can fail fails before a model loads
+    (O6)."""
+    cfg = config_from_argv(argv)
+    transformers.utils.logging.disable_progress_bar()  # loading 135M weights needs no progress bar
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rank, _, device = parallel.setup(device)  # under torchrun: join the process group
+    if device == "cpu" and cfg.cpu_keep_memory and not cpu.keep_freed_memory():
+        print("cpu_keep_memory: this C library has no mallopt (not glibc); its allocator is left "
+              "as it is")
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # one console: rank 0's (errors still reach stderr)
+    if cfg.model not in BUILT_HERE:  # a hub name that cannot be had fails now, not after retries
+        check_model_source(cfg.model)
+    preflight(cfg)
+    task = load_task(cfg)  # a task file that lacks a function fails here
+    try:
+        problems = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
+    except ValueError as e:  # a malformed dataset row (DataError), or too few distinct problems
+        raise ConfigError(str(e)) from e
+    check_sandbox(cfg, task, problems[0] + problems[1])  # the model's code runs only sandboxed
+    check_task_output(task, problems[0], cfg)  # prompt() and reward() give what a run needs
+    eval_tasks = load_eval_tasks(cfg)  # each checked as the training task is
+    resume_from = claim_out_dir(cfg, rank)  # a second run, another run's files, changed settings
+    with parallel.local_rank0_first():  # one rank per machine builds or converts the model folder
+        path = model_path(cfg)
+        for partial in glob.glob(os.path.join(cfg.out_dir, ".tmp_ckpt_*")):  # a killed save's
+            shutil.rmtree(partial, ignore_errors=True)  # (out_dir may be shared by machines)
+    check_model_source(path)
+    if cfg.init_from:
+        check_model_source(cfg.init_from)
+    if rank == 0:
+        save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
+    return cfg, device, path, resume_from, task, problems, eval_tasks
+
+
+def eval_split(tokenizer, name, task, problems, cfg):
+    """An eval_tasks set as a Split, its prompts tokenised once."""
+    try:
+        prompt_ids = tokenize_prompts(tokenizer, task, problems, cfg.max_prompt_len)
+        return Split(task, problems, prompt_ids, name)
+    except ConfigError as e:  # a prompt too long for max_prompt_len: say which set
+        raise ConfigError(f"eval_tasks: {name}: {e}") from None
+
+
+def build_models(cfg, path, device, resume_from):
+    """The policy (fp32 master weights), its update wrapper, the reference (F1), the optimizer."""
+    torch.manual_seed(cfg.seed)
+    weights = resume_from if resume_from and not cfg.lora_rank else (cfg.init_from or path)
+    adapter = resume_from if cfg.lora_rank else None
+    tokenizer, policy = load_policy(cfg, weights, device, adapter=adapter)
+    policy.train()
+    why = fused_head_unsupported(policy) if cfg.fused_logprobs else None
+    if why:  # the plain logits path is always exact
+        print(f"fused_logprobs off: {why}; logprobs come from the full logits")
+        cfg.fused_logprobs = False
+    # under torchrun: FSDP2 shards `policy` in place (train_model is policy); DDP wraps it
+    train_model = parallel.wrap(policy, cfg.parallel, cfg.dtype)
+    ref = None
+    if cfg.beta > 0 and not cfg.lora_rank:  # with LoRA the reference is the base, adapters off
+        # the weights the run starts from (init_from, as TRL and verl take the reference), as with
+        # LoRA, whose base is init_from: at step 0 the KL is 0 either way
+        ref = load_reference(cfg.init_from or path, device, cfg.ref_offload)
+        ref = parallel.wrap(ref, cfg.parallel, cfg.dtype, trainable=False)
+    params = [p for p in policy.parameters() if p.requires_grad]  # after wrapping: FSDP2's shards
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas,
+                                  weight_decay=cfg.weight_decay)
+    return tokenizer, policy, train_model, ref, params, optimizer
+
+
+def make_sampler(cfg, num_prompts):
+    """D2's curriculum, or D3's shuffled epochs."""
+    if cfg.curriculum:
+        return CurriculumSampler(num_prompts, cfg.seed, easy_above=cfg.curriculum_easy_above,
+                                 hard_below=cfg.curriculum_hard_below,
+                                 ramp_steps=cfg.curriculum_ramp_steps)
+    return PromptSampler(num_prompts, cfg.seed)
+
+
+def make_engine(cfg, path, device, policy, tokenizer):
+    """The sampling engine (R1): vLLM colocated, or the policy itself; wrapped for tool calls."""
+    # vLLM's start-up output (warnings about Triton, NUMA, thread binding) goes to a file, not the
+    # console; it is printed if the start fails
+    name = auto_engine() if cfg.engine == "auto" else cfg.engine  # auto: vLLM if it imports
+    if name == "vllm":
+        with output_to(os.path.join(cfg.out_dir, "engine.log")):
+            engine = VLLMEngine(path, cfg, device)
+    else:  # the policy itself samples, in the trainer's compute dtype
+        # FSDP2: every rank steps until the slowest is done
+        synced = parallel.world() > 1 and cfg.parallel == "fsdp"
+        engine = HFEngine(policy, tokenizer, synced_gpus=synced, dtype=cfg.dtype)
+    if cfg.tools:  # multi-turn rollouts: the model may run Python mid-completion, in the sandbox
+        run = functools.partial(run_python, timeout=cfg.tool_timeout,
+                                max_output=cfg.tool_output_chars)
+        engine = ToolEngine(engine, tokenizer, cfg.max_tool_calls, run,
+                            (cfg.tool_open, cfg.tool_close))
+    return engine, name
