@@ -16,6 +16,7 @@ import torch
 
 import config
 import grpo
+import prepare
 from config import ConfigError
 from rollout import vllm_available
 from task import replay
@@ -451,7 +452,7 @@ def test_a_gpu_run_on_a_cpu_fails_before_anything_loads(tmp_path, monkeypatch):
     path = os.path.join(ROOT, "config", "countdown_3b.py")
     with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
         grpo.main(["--config", path, f"--out_dir={tmp_path}", "--device=cpu"])
-    monkeypatch.setattr(grpo, "check_model_source", lambda path: None)  # as if the model were downloaded
+    monkeypatch.setattr(prepare, "check_model_source", lambda path: None)  # as if downloaded
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="sized for a GPU.*--device=cpu"):
             grpo.main(["--config", path, f"--out_dir={tmp_path}"])

@@ -36,7 +36,7 @@ def test_memory_estimate_hand_worked():
     assert est["head"] * gib == 2 * 4 * 2048 * 512 + 12 * 1024 * 512
     assert "reference" not in est  # beta = 0: no reference model (L4)
     with_ref = estimate_memory(load_config(overrides=["--beta=0.001"]), preflight.SHAPES["tiny"])
-    assert with_ref["reference"] * gib == 4 * n  # fp32, as grpo.build_models loads it
+    assert with_ref["reference"] * gib == 4 * n  # fp32, as prepare.build_models loads it
     ckpt_cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32", "--beta=0",
                                       "--gradient_checkpointing=true"])
     ckpt = estimate_memory(ckpt_cfg, preflight.SHAPES["tiny"])
