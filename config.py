@@ -181,7 +181,7 @@ class Config:
     kl_down: float = 0.8  # F2: factor applied to beta when the KL is too low
 
     # ---- optimisation (O1, O2, O5) ----
-    lr: float = 5e-5  # O1: peak AdamW learning rate (5e-7..1e-6 for 3B full fine-tuning; 135M takes far more)
+    lr: float = 3e-5  # O1: peak AdamW learning rate (5e-7..1e-6 for 3B full fine-tuning; 135M takes far more)
     warmup_steps: int = 5  # O1: linear warm-up steps, then cosine decay to lr x min_lr_ratio (20-50 for long runs)
     min_lr_ratio: float = 0.1  # O1: floor of the cosine, as a share of lr; 1.0 = constant after warm-up
     weight_decay: float = 0.0  # AdamW weight decay
