@@ -26,27 +26,33 @@ from config import ConfigError, changed_settings, save_config
 
 @dataclass
 class TrainState:
-    """Everything of the run besides models, optimizer and sampler that a resume needs (trainer_state.json)."""
+    """Everything of the run besides models, optimizer and sampler that a resume needs
+    (trainer_state.json)."""
 
     step: int = 0  # updates done
     beta: float = 0.0  # the KL weight now (F2 moves it)
-    kl_history: list = dataclasses.field(default_factory=list)  # F2: the current window's mean token KLs
+    # F2: the current window's mean token KLs
+    kl_history: list = dataclasses.field(default_factory=list)
     nonfinite_in_a_row: int = 0  # L6
     run_id: str = ""  # names the wandb run; a resume keeps it
 
 
 def checkpoints(out_dir):
-    """Complete checkpoint folders, oldest first (an interrupted save is a .tmp folder and never listed)."""
+    """Complete checkpoint folders, oldest first
+    (an interrupted save is a .tmp folder and never listed)."""
     return sorted(glob.glob(os.path.join(out_dir, "ckpt_*")))
 
 
 def save_checkpoint(cfg, policy, ref, tokenizer, optimizer, sampler, state):
-    """Write everything to a temp folder, then rename it: a kill at any moment leaves the last one whole.
+    """Write everything to a temp folder, then rename it:
+    a kill at any moment leaves the last one whole.
 
-    Called on every rank: the full (unsharded) states are gathered to rank 0, which alone writes. The
-    same files whatever the number of ranks, so any number can resume them, and from_pretrained reads them.
+    Called on every rank: the full (unsharded) states are gathered to rank 0, which alone writes.
+    The same files whatever the number of ranks, so any number can resume them, and from_pretrained
+    reads them.
     """
-    model_state, optimizer_state = parallel.full_state(policy, optimizer)  # optimizer keyed by parameter name
+    # optimizer keyed by parameter name
+    model_state, optimizer_state = parallel.full_state(policy, optimizer)
     ref_state = parallel.full_state(ref)[0] if cfg.ref_refresh_steps and ref is not None else None
     if parallel.rank() > 0:
         parallel.barrier()
@@ -71,12 +77,13 @@ def save_checkpoint(cfg, policy, ref, tokenizer, optimizer, sampler, state):
 
 
 def load_checkpoint(folder, cfg, policy, ref, optimizer, sampler):
-    """Restore what save_checkpoint wrote (the policy's weights are loaded with the model); the TrainState."""
+    """Restore what save_checkpoint wrote (the policy's weights are loaded with the model);
+    the TrainState."""
     with open(os.path.join(folder, "trainer_state.json")) as f:
         saved = json.load(f)
     sampler.load_state_dict(saved.pop("sampler"))
-    state = TrainState(**{k: saved[k] for k in ("step", "beta", "kl_history", "nonfinite_in_a_row")},
-                       run_id=saved.get("run_id", ""))
+    kept = ("step", "beta", "kl_history", "nonfinite_in_a_row")
+    state = TrainState(**{k: saved[k] for k in kept}, run_id=saved.get("run_id", ""))
     parallel.load_optimizer(policy, optimizer, torch.load(os.path.join(folder, "optimizer.pt")))
     restore_rng(torch.load(os.path.join(folder, "rng.pt"), weights_only=False))
     if ref is not None and cfg.ref_refresh_steps:

@@ -1,4 +1,5 @@
-"""Pre-flight (O6): the memory an update needs, estimated before any model loads, against the device.
+"""Pre-flight (O6): the memory an update needs, estimated before any model loads,
+against the device.
 
     python preflight.py --config config/countdown_3b.py  # the estimate, term by term
     python preflight.py --config config/countdown_3b.py --device_memory_gb=80  # and the fit
@@ -22,20 +23,22 @@ from perf.logprobs import head_chunk
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True),
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-                         max_position_embeddings=8192),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         tie_word_embeddings=True, max_position_embeddings=8192),
     "Qwen/Qwen2.5-3B-Instruct": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
-                                     num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                                     tie_word_embeddings=True, max_position_embeddings=32768),
-    "Qwen/Qwen2.5-3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                            num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True,
-                            max_position_embeddings=32768),  # the base
+                                     num_hidden_layers=36, num_attention_heads=16,
+                                     num_key_value_heads=2, tie_word_embeddings=True,
+                                     max_position_embeddings=32768),
+    "Qwen/Qwen2.5-3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                            num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                            tie_word_embeddings=True, max_position_embeddings=32768),  # the base
 }
 
 
 def model_shape(name):
-    """The few config.json fields the memory estimate needs, or None if they cannot be read offline."""
+    """The few config.json fields the memory estimate needs,
+    or None if they cannot be read offline."""
     if name in SHAPES:
         return SHAPES[name]
     if os.path.isfile(os.path.join(name, "config.json")):
@@ -45,7 +48,8 @@ def model_shape(name):
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(name).to_dict()
-    except Exception:  # offline, no transformers, or a typo: the estimate is skipped, the load will say more
+    except Exception:
+        # offline, no transformers, or a typo: the estimate is skipped, the load will say more
         return None
 
 
@@ -280,8 +284,9 @@ def preflight(cfg):
     if total is None:
         if update > CPU_RUN_GIB and cfg.device != "cpu":
             raise ConfigError(
-                f"this run's update needs ~{update:.0f} GiB: it is sized for a GPU, and there is none here. "
-                f"To run it on the CPU anyway (slowly), pass --device=cpu; `python grpo.py` is the CPU-sized run")
+                f"this run's update needs ~{update:.0f} GiB: it is sized for a GPU, and there is "
+                "none here. To run it on the CPU anyway (slowly), pass --device=cpu; `python "
+                "grpo.py` is the CPU-sized run")
         print(f"pre-flight: update peak ~{update:.2f} GiB; no GPU here, so no fit check")
         return est
     vllm = cfg.gpu_memory_utilization * total
@@ -291,35 +296,41 @@ def preflight(cfg):
         fixes = [f"lower micro_batch_tokens (now {cfg.micro_batch_tokens})"]
         fixes += [] if cfg.gradient_checkpointing else ["set gradient_checkpointing=True"]
         fixes += [] if cfg.lora_rank else ["set lora_rank=16"]
-        raise ConfigError(f"one update needs ~{update:.1f} GiB of {total:.1f}: " + " or ".join(fixes))
+        raise ConfigError(f"one update needs ~{update:.1f} GiB of {total:.1f}: "
+                          + " or ".join(fixes))
     if vllm + resident > 0.95 * total:
         raise ConfigError(
             f"the vLLM share ({vllm:.1f} GiB) and the trainer's resident weights and optimizer "
-            f"({resident:.1f} GiB) exceed {total:.1f} GiB: lower gpu_memory_utilization or use lora_rank > 0"
+            f"({resident:.1f} GiB) exceed {total:.1f} GiB: lower gpu_memory_utilization or use "
+            "lora_rank > 0"
         )
     return est
 
 
-# ---------------------------------------------------------------- the model's source and the library
+# --------------------------------------------------------------- the model's source and the library
 
 
 BUILT_HERE = ("tiny", "smollm2-135m")  # model names that model.model_path builds or converts here
 
 
 def check_model_source(path):
-    """Fail before any expensive work if the weights cannot be had: a missing folder, or a hub name that is
-    neither in the local Hugging Face cache nor reachable (transformers would retry the hub, then raise)."""
+    """Fail before any expensive work if the weights cannot be had: a missing folder, or a hub name
+    that is neither in the local Hugging Face cache nor reachable (transformers would retry the hub,
+    then raise)."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"model folder {path} has no config.json; point --model at a saved HF model")
-    elif path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not an org/name on the hub
-        raise ConfigError(f"model folder {path} not found; set --model to a folder or a hub name like "
-                          f"Qwen/Qwen2.5-3B-Instruct")
+            raise ConfigError(f"model folder {path} has no config.json; point --model at a saved "
+                              "HF model")
+    elif path.startswith((".", "/", "~")) or path.count("/") > 1:
+        # a path, not an org/name on the hub
+        raise ConfigError(f"model folder {path} not found; set --model to a folder or a hub name "
+                          "like Qwen/Qwen2.5-3B-Instruct")
     elif not hub_cached(path) and not hub_reachable():
         raise ConfigError(
-            f"model {path} is not a local folder, is not in the Hugging Face cache, and the hub cannot be reached "
-            f"from here. Fetch it on a machine with internet (`hf download {path}`, then copy ~/.cache/huggingface "
-            f"here), or set --model to a folder with its config.json and weights")
+            f"model {path} is not a local folder, is not in the Hugging Face cache, and the hub "
+            "cannot be reached from here. Fetch it on a machine with internet (`hf download "
+            f"{path}`, then copy ~/.cache/huggingface here), or set --model to a folder with its "
+            "config.json and weights")
 
 
 def hub_cached(name):
@@ -330,7 +341,8 @@ def hub_cached(name):
 
 
 def hub_reachable(timeout=3.0):
-    """True unless HF_HUB_OFFLINE is set or the hub's host does not answer a TCP connection within `timeout`."""
+    """True unless HF_HUB_OFFLINE is set or the hub's host
+    does not answer a TCP connection within `timeout`."""
     import socket
     from urllib.parse import urlparse
 
@@ -352,7 +364,8 @@ CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.15.0 (pip install -U 'transfor
 
 
 def check_cache_switch(cfg):
-    """Gradient checkpointing with each prompt once needs transformers' cache switch: fail now if absent."""
+    """Gradient checkpointing with each prompt once needs transformers' cache switch:
+    fail now if absent."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     hook = hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
