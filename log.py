@@ -8,6 +8,7 @@ imported lazily.
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -19,6 +20,21 @@ import parallel
 # the phases every step times (time/<phase> in metrics.jsonl): one list for the bench and the plot
 PHASES = ["generate", "tools", "score", "push", "sleep", "ref", "old", "update", "checkpoint",
           "eval"]
+
+
+class HarmlessReloadWarning(logging.Filter):
+    """vLLM warns "RotaryEmbedding: Failed to load weights" on every push: rotary caches are buffers
+    it computes itself, not weights, and it restores them. Harmless, so it must not read as a
+    failure."""
+
+    def filter(self, record):
+        return not record.getMessage().endswith("RotaryEmbedding: Failed to load weights")
+
+
+def quiet_harmless_vllm_warning():
+    """Drop vLLM's warning on every weight push that is no failure (HarmlessReloadWarning)."""
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    reload_log.addFilter(HarmlessReloadWarning())
 
 
 @contextmanager

@@ -122,6 +122,18 @@ def all_gather_list(items, group=None):
     return [x for part in out for x in part]
 
 
+def gather_group(group, prompts, *lists):
+    """`prompts` and the lists that go with them gathered over `group` (consecutive ranks that
+    share one engine) in rank order, after the slice of them that is this rank's own; a None group
+    leaves them as they are."""
+    if group is None:
+        return (slice(0, len(prompts)), prompts, *lists)
+    counts = all_gather_list([len(prompts)], group=group)
+    start = sum(counts[: rank() % len(counts)])  # groups are consecutive ranks
+    mine = slice(start, start + len(prompts))
+    return (mine, *(all_gather_list(x, group=group) for x in (prompts, *lists)))
+
+
 def consecutive_group(size):
     """The process group of this rank and its neighbours, `size` consecutive ranks (vLLM's
     tensor-parallel groups under torchrun are laid out the same way); None for size 1. Called on

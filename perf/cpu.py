@@ -4,8 +4,10 @@ Three settings, each exact (the same numbers as without it):
     keep_freed_memory     glibc keeps freed memory in the process (cpu_keep_memory)
     grouped_heads         attention takes grouped key/value heads as they are, no copies
     VLLM_CPU_BLOCK_SIZE   vLLM's KV blocks short enough to share a group's prompt
+and seed_vllm, how vLLM's CPU engine is seeded.
 """
 
+import numpy as np
 import torch
 
 # vLLM's prefix cache shares a prompt's keys and values between the G completions of its group only
@@ -15,15 +17,22 @@ import torch
 VLLM_CPU_BLOCK_SIZE = 32
 
 
+def seed_vllm(seed):
+    """vLLM's in-process CPU engine samples from torch's global generator (numpy's is seeded too,
+    to be safe), so a call is seeded from its first row's seed: a per-request seed crashes there."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def keep_freed_memory():
     """On a CPU, glibc keeps freed memory in the process for the next allocation (cpu_keep_memory);
     True if set.
 
     By default each block over a threshold (32 MB at most) gets its own mapping and goes back to the
     kernel when freed, so every micro-batch's logits, gradients and activations are faulted back in
-    and zeroed page by page (the default run's update took 40 s with it off, 32 s on, on a 2-core
-    VM). Without mappings, and with the heap's top kept, the next micro-batch reuses the same
-    memory; the resident set then stays near its peak between steps.
+    and zeroed page by page (a fifth of the default run's update time on a 2-core VM). Without
+    mappings, and with the heap's top kept, the next micro-batch reuses the same memory; the
+    resident set then stays near its peak between steps.
     """
     import ctypes
     import ctypes.util

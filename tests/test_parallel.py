@@ -20,7 +20,8 @@ import torch
 import parallel
 from grpo import forward_logprobs, pad_batch
 from loss import grpo_loss
-from rollout import Completion, vllm_available
+from preflight import vllm_available
+from rollout import Completion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"),

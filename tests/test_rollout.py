@@ -13,7 +13,8 @@ import torch
 from config import load_config
 from grpo import forward_logprobs, pad_batch
 from model import build_tiny, load_policy, push_weights_iter
-from rollout import HFEngine, VLLMEngine, vllm_available
+from preflight import vllm_available
+from rollout import HFEngine, VLLMEngine
 
 # In CI (CI set) a missing vLLM is a failure, not a skip: the install command must provide it.
 requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"),
@@ -588,7 +589,7 @@ def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
     line saying it is not installed."""
     import builtins
 
-    import rollout
+    import preflight
 
     real_import = builtins.__import__
 
@@ -597,17 +598,17 @@ def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
             raise ImportError("libcudart.so.12: cannot open shared object file\nmore detail")
         return real_import(name, *args, **kwargs)
 
-    monkeypatch.setattr(rollout, "vllm_available", lambda: True)  # the package is there
+    monkeypatch.setattr(preflight, "vllm_available", lambda: True)  # the package is there
     monkeypatch.setattr(builtins, "__import__", broken)
-    assert rollout.auto_engine() == "hf"
+    assert preflight.auto_engine() == "hf"
     assert capsys.readouterr().out == (
         "engine=auto: vLLM is installed but does not import (ImportError: libcudart.so.12: cannot "
         "open shared object file; --engine=vllm shows it all); sampling with the HF engine\n")
     monkeypatch.setattr(builtins, "__import__", real_import)
-    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
-    assert rollout.auto_engine() == "hf"
+    monkeypatch.setattr(preflight, "vllm_available", lambda: False)
+    assert preflight.auto_engine() == "hf"
     out = capsys.readouterr().out
     assert out == "engine=auto: vLLM is not installed; sampling with the HF engine\n"
-    monkeypatch.setattr(rollout, "vllm_available", lambda: True)
+    monkeypatch.setattr(preflight, "vllm_available", lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # one that imports
-    assert rollout.auto_engine() == "vllm" and capsys.readouterr().out == ""
+    assert preflight.auto_engine() == "vllm" and capsys.readouterr().out == ""
