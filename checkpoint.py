@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import parallel
-from config import ConfigError, changed_settings, save_config
+from config import ConfigError, save_config
 
 
 @dataclass
@@ -217,6 +217,50 @@ def checkpoint_step(folder):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path} cannot be read ({e}): {folder} is not a checkpoint of grpo.py; "
                           "move it out of out_dir") from None
+
+
+# What makes a run the run it is. A resume with one of these changed would continue some other run
+# from this one's weights, optimizer state and place in the data, so it is refused unless
+# resume_changed=True. The rest may change on resume: the run's length (max_steps), eval, logging,
+# checkpoints, max_prompt_len (a bound every prompt is checked against), and how a step is computed
+# (engine, device, dtype, micro-batches, memory, deadlines): speed, memory or rounding, not the aim.
+RUN_SETTINGS = (
+    # the weights a checkpoint holds, and the base they apply to under LoRA
+    "model", "init_from", "lora_rank", "lora_alpha",
+    # the problems (D1): the sampler's saved state indexes them; other problems, another data order
+    "task", "data_path", "data_name", "data_columns", "data_seed", "train_size",
+    "countdown_numbers", "countdown_max_number", "countdown_max_target",
+    "math_kinds", "math_max_number", "rg_dataset",
+    # the data order and sampling seeds (D3), and the curriculum's buckets (D2)
+    "seed", "curriculum", "curriculum_easy_above", "curriculum_hard_below", "curriculum_ramp_steps",
+    # the batch and the updates per batch (R3, L7)
+    "group_size", "batch_size", "mini_batches", "num_iterations",
+    # what is sampled and which groups train (R4-R7), and what a rollout may do (tools)
+    "max_completion_len", "temperature", "temperature_end", "top_p", "top_k", "mask_truncated",
+    "dynamic_sampling", "dynamic_sampling_rounds",
+    "tools", "max_tool_calls", "tool_output_chars", "tool_open", "tool_close",
+    # the reward (W1-W3): what is learned
+    "format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "reward_weights",
+    "length_soft_limit", "length_penalty", "length_penalty_tokens", "length_min",
+    "math_last_number", "tool_error_penalty",
+    # the objective (A1-A3, L1-L8, R2)
+    "adv_baseline", "adv_scale", "adv_std_floor", "adv_zero_std_groups", "adv_clip",
+    "clip_eps", "clip_eps_high", "loss_agg", "ratio_level", "policy_loss", "dual_clip",
+    "sapo_tau_pos", "sapo_tau_neg", "entropy_coef", "entropy_top_quantile",
+    "is_correction", "is_mode", "is_cap", "is_seq_cap",
+    # the KL term (L4, F1, F2); a resume takes beta from the checkpoint: a new one would go unseen
+    "beta", "kl_estimator", "ref_refresh_steps",
+    "adaptive_kl", "kl_window", "kl_high", "kl_low", "kl_up", "kl_down",
+    # the optimizer and its schedule (O1, O2)
+    "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "adam_betas", "grad_clip",
+)
+
+
+def changed_settings(cfg, saved):
+    """[(name, saved value, value now)] for each of RUN_SETTINGS where `saved` (save_config's JSON)
+    differs from cfg."""
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples become the lists the JSON holds
+    return [(k, saved[k], now[k]) for k in RUN_SETTINGS if k in saved and saved[k] != now[k]]
 
 
 def check_same_run(cfg, folder):
