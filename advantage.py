@@ -9,26 +9,27 @@ import torch
 
 
 def _groups(rewards, group_size):
-    """(N,) -> (P, G) at least float32, with a clear error when N is not a whole number of groups."""
+    """(N,) -> (P, G), at least float32; a clear error when N is not a whole number of groups."""
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be (num_prompts * {group_size},), got shape {tuple(rewards.shape)}")
+        raise ValueError(f"rewards must be (num_prompts * {group_size},), "
+                         f"got shape {tuple(rewards.shape)}")
     return rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)
 
 
-def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std_floor=1e-4, zero_std_groups=False,
-                     clip=0.0, batch_sum=None):
+def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std_floor=1e-4,
+                     zero_std_groups=False, clip=0.0, batch_sum=None):
     """Advantage of each completion relative to its group: (r - baseline) / scale.
 
     rewards:  (N,) float, N = num_prompts * group_size, groups contiguous.
-    baseline: "mean"          -> b = the group's mean reward                      (A1, GRPO)
-              "leave-one-out" -> b_i = the mean of the other G - 1 rewards        (RLOO, Ahmadian et al. 2024)
-                                 r_i - b_i = G / (G - 1) * (r_i - mean): GRPO's centred reward, scaled up
-    scale:    "group" -> / max(std of the group's rewards, std_floor)           (A1, the GRPO paper's z-score)
-              "batch" -> / max(std of every reward in the batch, std_floor)     (TRL scale_rewards="batch")
-                         TRL's exactly: the unbiased std of the raw rewards of the whole batch, gathered over
-                         all processes (batch_sum), except that TRL divides by std + 1e-4 where this floors
-                         the std at std_floor. Not REINFORCE++-baseline's whitening (token-level, verl).
-              "none"  -> as it is                                               (A1, Dr. GRPO: no std division)
+    baseline: "mean" (A1, GRPO) -> b = the group's mean reward
+              "leave-one-out" (RLOO, Ahmadian et al. 2024) -> b_i = the mean of the other G - 1
+              rewards; r_i - b_i = G / (G - 1) * (r_i - mean): GRPO's centred reward, scaled up
+    scale:    "group" (A1, the GRPO paper's z-score) -> / max(std of the group's rewards, std_floor)
+              "batch" (TRL scale_rewards="batch") -> / max(std of every reward in the batch,
+              std_floor): TRL's, the unbiased std of the whole batch's raw rewards over all
+              processes (batch_sum), floored at std_floor where TRL adds 1e-4 to it. Not
+              REINFORCE++-baseline's whitening (token-level, verl).
+              "none" (A1, Dr. GRPO: no std division) -> as it is
     zero_std_groups: groups whose reward std < std_floor get advantage 0 (A2, a common variant).
     clip:     clamp to [-clip, clip] after normalising; 0 = off (A3).
     batch_sum: with scale="batch" under torchrun, a function that sums a number over the ranks
@@ -36,28 +37,26 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
     Returns (N,) float32 (float64 for float64 rewards).
 
     Example, one group of G = 4, rewards [1, 0, 0, 0] (mean 0.25, unbiased std 0.5):
-                       scale "group"              "batch"                  "none"
-      "mean"           [1.5, -0.5, -0.5, -0.5]    [1.5, -0.5, -0.5, -0.5]  [0.75, -0.25, -0.25, -0.25]
-      "leave-one-out"  [2, -2/3, -2/3, -2/3]      [2, -2/3, -2/3, -2/3]    [1, -1/3, -1/3, -1/3]
-    (The batch is this one group here, so "batch" is "group". Leave-one-out is the mean baseline's
-    advantage times G / (G - 1).)
+                    scale "group"            "batch"                  "none"
+      "mean"          [1.5, -0.5, -0.5, -0.5]  [1.5, -0.5, -0.5, -0.5]  [0.75, -0.25, -0.25, -0.25]
+      "leave-one-out" [2, -2/3, -2/3, -2/3]    [2, -2/3, -2/3, -2/3]    [1, -1/3, -1/3, -1/3]
+    (The batch is this one group, so "batch" is "group"; leave-one-out is "mean" times G / (G - 1).)
     """
     groups = _groups(rewards, group_size)  # (P, G)
-    G = group_size
     mean = groups.mean(dim=1, keepdim=True)  # (P, 1)
     # Unbiased (Bessel, divide by G-1) std, as TRL and verl use; the paper does not say which.
     std = groups.std(dim=1, keepdim=True)  # (P, 1)
     if baseline == "mean":
         adv = groups - mean  # (P, G)
-    elif baseline == "leave-one-out":  # RLOO: no completion is its own baseline, so the estimate is unbiased
-        adv = groups - (groups.sum(dim=1, keepdim=True) - groups) / (G - 1)
+    elif baseline == "leave-one-out":  # RLOO: no completion is its own baseline: unbiased
+        adv = groups - (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
     else:
         raise ValueError(f"baseline must be 'mean' or 'leave-one-out', got {baseline!r}")
     if scale == "group":
         # A2: a floor rather than "+ eps", so a std of 1e-6 cannot blow a 1e-6 reward gap up to 1.
         adv = adv / std.clamp(min=std_floor)
     elif scale == "batch":
-        # the std of the rewards themselves, not of the centred r - b: with a group baseline those are smaller
+        # the std of the rewards, not of the centred r - b (those are smaller with a group baseline)
         adv = adv / batch_std(groups, batch_sum).clamp(min=std_floor)
     elif scale != "none":
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
@@ -71,7 +70,7 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
 
 
 def batch_std(x, batch_sum=None):
-    """Unbiased std of every element of x, over all ranks when batch_sum sums over them; a 0-dim tensor."""
+    """Unbiased std of every element of x (over all ranks when batch_sum sums over them), 0-dim."""
     total = batch_sum or float
     n, s1, s2 = total(x.numel()), total(x.sum().item()), total((x.double() ** 2).sum().item())
     var = (s2 - s1 * s1 / n) / (n - 1) if n > 1 else 0.0
@@ -81,7 +80,7 @@ def batch_std(x, batch_sum=None):
 def group_stats(rewards, group_size, correct=None, eps=1e-4):
     """Per-step statistics of the groups (A4), as plain floats plus the per-group pass rate.
 
-    rewards: (N,) groups contiguous.  correct: (N,) 1/0 (or None: use rewards, right for 0/1 rewards).
+    rewards: (N,) groups contiguous. correct: (N,) 1/0, or None: use rewards (right for 0/1 ones).
     effective_group_ratio: share of groups whose reward std > eps, i.e. that carry any signal;
         under ~0.3 the prompts are too easy or too hard for the policy.
     frac_reward_zero_std: 1 - effective_group_ratio (TRL's name for it).

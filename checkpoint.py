@@ -21,32 +21,38 @@ from dataclasses import dataclass
 import torch
 
 import parallel
-from config import ConfigError, changed_settings, save_config
+from config import ConfigError, save_config
 
 
 @dataclass
 class TrainState:
-    """Everything of the run besides models, optimizer and sampler that a resume needs (trainer_state.json)."""
+    """Everything of the run besides models, optimizer and sampler that a resume needs
+    (trainer_state.json)."""
 
     step: int = 0  # updates done
     beta: float = 0.0  # the KL weight now (F2 moves it)
-    kl_history: list = dataclasses.field(default_factory=list)  # F2: the current window's mean token KLs
+    # F2: the current window's mean token KLs
+    kl_history: list = dataclasses.field(default_factory=list)
     nonfinite_in_a_row: int = 0  # L6
     run_id: str = ""  # names the wandb run; a resume keeps it
 
 
 def checkpoints(out_dir):
-    """Complete checkpoint folders, oldest first (an interrupted save is a .tmp folder and never listed)."""
+    """Complete checkpoint folders, oldest first
+    (an interrupted save is a .tmp folder and never listed)."""
     return sorted(glob.glob(os.path.join(out_dir, "ckpt_*")))
 
 
 def save_checkpoint(cfg, policy, ref, tokenizer, optimizer, sampler, state):
-    """Write everything to a temp folder, then rename it: a kill at any moment leaves the last one whole.
+    """Write everything to a temp folder, then rename it:
+    a kill at any moment leaves the last one whole.
 
-    Called on every rank: the full (unsharded) states are gathered to rank 0, which alone writes. The
-    same files whatever the number of ranks, so any number can resume them, and from_pretrained reads them.
+    Called on every rank: the full (unsharded) states are gathered to rank 0, which alone writes.
+    The same files whatever the number of ranks, so any number can resume them, and from_pretrained
+    reads them.
     """
-    model_state, optimizer_state = parallel.full_state(policy, optimizer)  # optimizer keyed by parameter name
+    # optimizer keyed by parameter name
+    model_state, optimizer_state = parallel.full_state(policy, optimizer)
     ref_state = parallel.full_state(ref)[0] if cfg.ref_refresh_steps and ref is not None else None
     if parallel.rank() > 0:
         parallel.barrier()
@@ -71,12 +77,13 @@ def save_checkpoint(cfg, policy, ref, tokenizer, optimizer, sampler, state):
 
 
 def load_checkpoint(folder, cfg, policy, ref, optimizer, sampler):
-    """Restore what save_checkpoint wrote (the policy's weights are loaded with the model); the TrainState."""
+    """Restore what save_checkpoint wrote (the policy's weights are loaded with the model);
+    the TrainState."""
     with open(os.path.join(folder, "trainer_state.json")) as f:
         saved = json.load(f)
     sampler.load_state_dict(saved.pop("sampler"))
-    state = TrainState(**{k: saved[k] for k in ("step", "beta", "kl_history", "nonfinite_in_a_row")},
-                       run_id=saved.get("run_id", ""))
+    kept = ("step", "beta", "kl_history", "nonfinite_in_a_row")
+    state = TrainState(**{k: saved[k] for k in kept}, run_id=saved.get("run_id", ""))
     parallel.load_optimizer(policy, optimizer, torch.load(os.path.join(folder, "optimizer.pt")))
     restore_rng(torch.load(os.path.join(folder, "rng.pt"), weights_only=False))
     if ref is not None and cfg.ref_refresh_steps:
@@ -210,6 +217,50 @@ def checkpoint_step(folder):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path} cannot be read ({e}): {folder} is not a checkpoint of grpo.py; "
                           "move it out of out_dir") from None
+
+
+# What makes a run the run it is. A resume with one of these changed would continue some other run
+# from this one's weights, optimizer state and place in the data, so it is refused unless
+# resume_changed=True. The rest may change on resume: the run's length (max_steps), eval, logging,
+# checkpoints, max_prompt_len (a bound every prompt is checked against), and how a step is computed
+# (engine, device, dtype, micro-batches, memory, deadlines): speed, memory or rounding, not the aim.
+RUN_SETTINGS = (
+    # the weights a checkpoint holds, and the base they apply to under LoRA
+    "model", "init_from", "lora_rank", "lora_alpha",
+    # the problems (D1): the sampler's saved state indexes them; other problems, another data order
+    "task", "data_path", "data_name", "data_columns", "data_seed", "train_size",
+    "countdown_numbers", "countdown_max_number", "countdown_max_target",
+    "math_kinds", "math_max_number", "rg_dataset",
+    # the data order and sampling seeds (D3), and the curriculum's buckets (D2)
+    "seed", "curriculum", "curriculum_easy_above", "curriculum_hard_below", "curriculum_ramp_steps",
+    # the batch and the updates per batch (R3, L7)
+    "group_size", "batch_size", "mini_batches", "num_iterations",
+    # what is sampled and which groups train (R4-R7), and what a rollout may do (tools)
+    "max_completion_len", "temperature", "temperature_end", "top_p", "top_k", "mask_truncated",
+    "dynamic_sampling", "dynamic_sampling_rounds", "drop_zero_std_groups",
+    "tools", "max_tool_calls", "tool_output_chars", "tool_open", "tool_close",
+    # the reward (W1-W3): what is learned
+    "format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "reward_weights",
+    "length_soft_limit", "length_penalty", "length_penalty_tokens", "length_min",
+    "math_last_number", "tool_error_penalty",
+    # the objective (A1-A3, L1-L8, R2)
+    "adv_baseline", "adv_scale", "adv_std_floor", "adv_zero_std_groups", "adv_clip",
+    "clip_eps", "clip_eps_high", "loss_agg", "ratio_level", "policy_loss", "dual_clip",
+    "sapo_tau_pos", "sapo_tau_neg", "entropy_coef", "entropy_top_quantile",
+    "is_correction", "is_mode", "is_cap", "is_seq_cap",
+    # the KL term (L4, F1, F2); a resume takes beta from the checkpoint: a new one would go unseen
+    "beta", "kl_estimator", "ref_refresh_steps",
+    "adaptive_kl", "kl_window", "kl_high", "kl_low", "kl_up", "kl_down",
+    # the optimizer and its schedule (O1, O2)
+    "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "adam_betas", "grad_clip",
+)
+
+
+def changed_settings(cfg, saved):
+    """[(name, saved value, value now)] for each of RUN_SETTINGS where `saved` (save_config's JSON)
+    differs from cfg."""
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples become the lists the JSON holds
+    return [(k, saved[k], now[k]) for k in RUN_SETTINGS if k in saved and saved[k] != now[k]]
 
 
 def check_same_run(cfg, folder):

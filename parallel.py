@@ -1,8 +1,9 @@
 """Several GPUs with torchrun: set-up, FSDP2 or DDP, global sums, full-state checkpoints.
 
-    torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py           # FSDP2 (default)
+    torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py  # FSDP2 (default)
     torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py --parallel=ddp
-    torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --nproc_per_node=8 grpo.py ...   # two machines
+    # two machines
+    torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --nproc_per_node=8 grpo.py ...
 
 Data parallel over ranks. Every rank draws the same global list of prompts (same seed) and keeps
 its own contiguous slice, with all G completions of each of its prompts, so group advantages need
@@ -38,7 +39,8 @@ launched = False
 
 
 def setup(device):
-    """(rank, world, device): join torchrun's process group when launched by it, else (0, 1, device)."""
+    """(rank, world, device): join torchrun's process group when launched by it, else
+    (0, 1, device)."""
     global launched
     if "RANK" not in os.environ:
         return 0, 1, device
@@ -70,8 +72,8 @@ def barrier():
 
 @contextlib.contextmanager
 def local_rank0_first():
-    """The first rank of each machine runs the block first (it builds or converts a cached folder, on that
-    machine's disk); the other ranks run it after, and find the folder there."""
+    """The first rank of each machine runs the block first (it builds or converts a cached folder,
+    on that machine's disk); the other ranks run it after, and find the folder there."""
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     if not first:
         barrier()
@@ -81,7 +83,8 @@ def local_rank0_first():
 
 
 def my_slice(items):
-    """This rank's contiguous share of a list that every rank holds whole (len divisible by the world size)."""
+    """This rank's contiguous share of a list that every rank holds whole
+    (len divisible by the world size)."""
     k = len(items) // world()
     return items[rank() * k : (rank() + 1) * k]
 
@@ -110,8 +113,8 @@ def all_min(x):
 
 
 def all_gather_list(items, group=None):
-    """Every rank's list (of `group`, default all) concatenated in rank order: with contiguous slices,
-    the single-process order."""
+    """Every rank's list (of `group`, default all) concatenated in rank order: with contiguous
+    slices, the single-process order."""
     if not launched:
         return list(items)
     out = [None] * dist.get_world_size(group)
@@ -119,17 +122,32 @@ def all_gather_list(items, group=None):
     return [x for part in out for x in part]
 
 
+def gather_group(group, prompts, *lists):
+    """`prompts` and the lists that go with them gathered over `group` (consecutive ranks that
+    share one engine) in rank order, after the slice of them that is this rank's own; a None group
+    leaves them as they are."""
+    if group is None:
+        return (slice(0, len(prompts)), prompts, *lists)
+    counts = all_gather_list([len(prompts)], group=group)
+    start = sum(counts[: rank() % len(counts)])  # groups are consecutive ranks
+    mine = slice(start, start + len(prompts))
+    return (mine, *(all_gather_list(x, group=group) for x in (prompts, *lists)))
+
+
 def consecutive_group(size):
-    """The process group of this rank and its neighbours, `size` consecutive ranks (vLLM's tensor-parallel
-    groups under torchrun are laid out the same way); None for size 1. Called on every rank."""
+    """The process group of this rank and its neighbours, `size` consecutive ranks (vLLM's
+    tensor-parallel groups under torchrun are laid out the same way); None for size 1. Called on
+    every rank."""
     if size == 1:
         return None
-    group, _ = dist.new_subgroups(group_size=size, backend="gloo")  # gloo: Python objects are gathered over it
+    # gloo: Python objects are gathered over it
+    group, _ = dist.new_subgroups(group_size=size, backend="gloo")
     return group
 
 
 def wrap(model, mode, dtype, trainable=True):
-    """FSDP2 (shard each decoder layer, then the whole model) or DDP; `model` as it is on one process.
+    """FSDP2 (shard each decoder layer, then the whole model) or DDP;
+    `model` as it is on one process.
 
     FSDP2 shards in place: `model` stays the HF object (save_pretrained, generate, state_dict keep
     working) and its parameters become DTensors. With bf16, FSDP2 gathers parameters in bf16 and
@@ -142,32 +160,37 @@ def wrap(model, mode, dtype, trainable=True):
         if not trainable:  # a frozen reference: nothing to synchronise, a full copy per rank
             return model
         device = next(model.parameters()).device
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bfloat16"
-          else MixedPrecisionPolicy())  # float32: gather and reduce as stored
-    layer_classes = set(getattr(model, "_no_split_modules", None) or [])  # HF names its decoder layer class here
+        return DistributedDataParallel(model,
+                                       device_ids=[device.index] if device.type == "cuda" else None)
+    # bf16 gathers in bf16 and reduces in fp32; float32 gathers and reduces as stored
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if dtype == "bfloat16" else MixedPrecisionPolicy())
+    # HF names its decoder layer class here
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ConfigError(f"FSDP: no decoder layers ({layer_classes}) found in {type(model).__name__}; "
-                          "use --parallel=ddp")
+        raise ConfigError(f"FSDP: no decoder layers ({layer_classes}) found in "
+                          f"{type(model).__name__}; use --parallel=ddp")
     for layer in layers:
         fully_shard(layer, mp_policy=mp)
-    # the root group (embeddings, final norm, head) on the HF model itself: with LoRA, peft's generate
-    # calls the inner HF model directly, past any hooks on the peft wrapper
+    # the root group (embeddings, final norm, head) on the HF model itself: with LoRA, peft's
+    # generate calls the inner HF model directly, past any hooks on the peft wrapper
     fully_shard(model.get_base_model() if hasattr(model, "get_base_model") else model, mp_policy=mp)
     return model
 
 
 def no_grad_sync(train_model, last):
-    """DDP: all-reduce gradients once, on the last micro-batch. FSDP2 reduce-scatters every micro-batch,
-    which keeps gradients sharded (skipping it would hold a whole unsharded gradient per rank)."""
+    """DDP: all-reduce gradients once, on the last micro-batch. FSDP2 reduce-scatters every
+    micro-batch, which keeps gradients sharded (skipping it would hold a whole unsharded gradient
+    per rank)."""
     if last or not hasattr(train_model, "no_sync"):
         return contextlib.nullcontext()
     return train_model.no_sync()
 
 
 def even_micro_batches(tensors, batches):
-    """Give this rank as many micro-batches as the rank with the most, for FSDP and DDP's collectives.
+    """Give this rank as many micro-batches as the rank with the most,
+    for FSDP and DDP's collectives.
 
     The extra micro-batches hold one added row: token 0 everywhere, attended (no fully masked
     softmax), with a zero loss mask, so its loss and gradient are exactly 0. tensors: name -> tensor
@@ -183,18 +206,21 @@ def even_micro_batches(tensors, batches):
 
 
 def grad_norm_value(norm):
-    """clip_grad_norm_ returns a DTensor under FSDP2 (already the global norm); a plain tensor otherwise."""
+    """clip_grad_norm_ returns a DTensor under FSDP2 (already the global norm);
+    a plain tensor otherwise."""
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def full_state(model, optimizer=None):
-    """(model state, optimizer state), whole and on the CPU of rank 0 (empty elsewhere); called on every rank.
+    """(model state, optimizer state), whole and on the CPU of rank 0 (empty elsewhere);
+    called on every rank.
 
     Parameter names (not ids) key the optimizer state, so a checkpoint from N ranks loads on M.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    optim_state = (get_optimizer_state_dict(model, optimizer, options=options)
+                   if optimizer is not None else None)
     return model_state, optim_state
 
 
@@ -204,5 +230,7 @@ def load_model(model, state):
 
 
 def load_optimizer(model, optimizer, state):
-    """Load a full, name-keyed optimizer state (from full_state) into this rank's, sharded as the model is."""
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+    """Load a full, name-keyed optimizer state (from full_state) into this rank's,
+    sharded as the model is."""
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))

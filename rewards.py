@@ -8,13 +8,14 @@ project's guards, in-process, and code runs in the sandbox (sandbox.py), which n
 test's expected values.
 
 Per completion, each verifier returns a dict of components, all floats:
-    format   1.0 if the text is exactly <think>...</think><answer>...</answer> with a non-empty answer (W2)
+    format   1.0 if the text is exactly <think>...</think><answer>...</answer>, the answer not empty
+             (W2)
     parsed   1.0 if an answer was found and is well-formed for the task
     correct  1.0 / 0.0 (code: the fraction of tests passed)
 The task files in tasks/ call these verifiers (task.py loads them); `score_batch` turns a batch's
 components into one shaped reward per completion (W2-W3), whatever the task.
 
-    python task.py --replay out/run/samples.jsonl   # re-score saved rollouts, print disagreements (W5)
+    python task.py --replay out/run/samples.jsonl  # re-score saved rollouts, print mismatches (W5)
 """
 
 import ast
@@ -39,7 +40,8 @@ MAX_ANSWER_CHARS = 256  # longer answers are not parsed at all: no real answer h
 
 
 def extract_answer(text):
-    """The content of the last <answer>...</answer> that is not inside a think block, stripped; else None.
+    """The content of the last <answer>...</answer> that is not inside a think block, stripped;
+    else None.
 
     Nested or repeated tags cannot score twice: only the last closing tag and the nearest opening
     tag before it count, so '<answer><answer>1</answer></answer>' yields '1</answer>', which no
@@ -55,7 +57,8 @@ def extract_answer(text):
 
 
 def has_format(text):
-    """W2: exactly one <think>...</think> then exactly one non-empty <answer>...</answer>, nothing after."""
+    """W2: exactly one <think>...</think> then exactly one non-empty <answer>...</answer>,
+    nothing after."""
     t = text.strip()
     if not (t.startswith("<think>") and t.endswith("</answer>")):
         return False
@@ -75,10 +78,12 @@ COUNTDOWN_OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult:
 
 
 def _countdown_eval(node, numbers):
-    """Exact value of an ast of integer literals and binary + - * /; appends each literal to `numbers`.
+    """Exact value of an ast of integer literals and binary + - * /;
+    appends each literal to `numbers`.
 
     Returns None if the tree divides by zero anywhere (after visiting every literal, so the numbers
-    are still checked). Raises ValueError on anything else (names, calls, **, //, unary minus, floats).
+    are still checked). Raises ValueError on anything else (names, calls, **, //, unary minus,
+    floats).
     """
     if isinstance(node, ast.Constant) and type(node.value) is int:
         numbers.append(node.value)
@@ -92,7 +97,8 @@ def _countdown_eval(node, numbers):
 
 
 def countdown_reward(text, numbers, target):
-    """Countdown: the answer uses each given number exactly once with + - * / ( ), and equals target.
+    """Countdown: the answer uses each given number exactly once with + - * / ( ),
+    and equals target.
 
     Example: countdown_reward("<think>..</think><answer>(6 - 2) * 5</answer>", [2, 5, 6], 20)
     -> {"format": 1.0, "parsed": 1.0, "numbers_valid": 1.0, "correct": 1.0}
@@ -109,7 +115,8 @@ def countdown_reward(text, numbers, target):
         value = _countdown_eval(ast.parse(answer, mode="eval").body, used)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return out  # malformed, or an operation Countdown does not allow
-    out["parsed"] = 1.0  # a well-formed equation; one that divides by zero (value None) cannot be correct
+    # a well-formed equation; one that divides by zero (value None) cannot be correct
+    out["parsed"] = 1.0
     out["numbers_valid"] = float(sorted(used) == sorted(numbers))
     if out["numbers_valid"] and value is not None:
         out["correct"] = float(abs(value - target) < Fraction(1, 100000))  # within 1e-5 (W1)
@@ -127,7 +134,8 @@ MAX_BITS = 1 << 16  # an answer whose numbers may grow past 2**MAX_BITS is wrong
 
 
 def last_boxed(text):
-    """Content of the last \\boxed{...} with balanced braces, or None (unbalanced counts as none)."""
+    """Content of the last \\boxed{...} with balanced braces, or None
+    (unbalanced counts as none)."""
     start = text.rfind("\\boxed")
     if start < 0:
         return None
@@ -184,17 +192,18 @@ def in_lowest_terms(s):
 
 
 def before_unclosed_think(text):
-    """The text before a <think> that is never closed: what follows it is thinking, not answering (W4)."""
+    """The text before a <think> that is never closed: what follows it is thinking, not answering
+    (W4)."""
     start = text.rfind("<think>")
     return text[:start] if start >= 0 and text.find("</think>", start) < 0 else text
 
 
 def after_tool_outputs(text, tags=("<output>", "</output>")):
-    """The model's own text after the last tool output (rollout.TOOL_OUTPUT's tags): the only place a tool task's
-    answer is judged, so what a tool printed never counts as the model's answer. Text without an output is
-    returned whole; an output never closed leaves nothing (all after its opening tag is the tool's). A <think>
-    open where the last output ends stays open ("<think>" put in front), so an answer inside it is still
-    thinking (W4).
+    """The model's own text after the last tool output (rollout.TOOL_OUTPUT's tags): the only place
+    a tool task's answer is judged, so what a tool printed never counts as the model's answer. Text
+    without an output is returned whole; an output never closed leaves nothing (all after its
+    opening tag is the tool's). A <think> open where the last output ends stays open ("<think>" put
+    in front), so an answer inside it is still thinking (W4).
     """
     end = text.rfind(tags[1])
     cut = end + len(tags[1]) if end >= 0 else 0
@@ -425,8 +434,8 @@ def math_reward(text, answer, last_number=False, tools=False, question=""):
 
     last_number: with no box and no tag, judge the last number in the text instead (lm-eval's
     "flexible extract"); `parsed` stays 0 then, so unparsed_penalty still asks for a tagged answer.
-    tools: the box, the tag and the last number are looked for only in the model's own text after the last
-    tool output (after_tool_outputs); the format is still the whole completion's.
+    tools: the box, the tag and the last number are looked for only in the model's own text after
+    the last tool output (after_tool_outputs); the format is still the whole completion's.
     question: the problem's text, so an expression copied from it earns nothing.
 
     Example: math_reward("<think>..</think><answer>\\boxed{\\frac{1}{2}}</answer>", "0.5")
@@ -442,7 +451,8 @@ def math_reward(text, answer, last_number=False, tools=False, question=""):
         numbers = LAST_NUMBER.findall(before_unclosed_think(own)[-2000:])
         return {**out, "correct": float(bool(numbers) and bool(math_equal(numbers[-1], answer)))}
     if not given or len(given) > MAX_ANSWER_CHARS:
-        return {**out, "format": 0.0}  # W4: an empty \boxed{} or <answer> scores nothing, not even format
+        # W4: an empty \boxed{} or <answer> scores nothing, not even format
+        return {**out, "format": 0.0}
     verdict = math_equal(given, answer, question)
     if verdict is None:
         # W4: a copied "\boxed{...}", a restated question: neither earns parsed or format credit
@@ -475,7 +485,8 @@ def math_answer(text, last_number=False, tools=False):
 
 
 def last_code_block(text):
-    """The last ```...``` block with its language line dropped, or None (rfind: linear on any input)."""
+    """The last ```...``` block with its language line dropped, or None
+    (rfind: linear on any input)."""
     end = text.rfind("```")
     start = text.rfind("```", 0, end) if end >= 0 else -1
     if start < 0:
@@ -620,7 +631,8 @@ def code_reward(text, tests, timeout=5.0):
 
 
 def digits_reward(text):
-    """A reward a random model can climb (config/tiny.py): the share of non-space characters that are digits."""
+    """A reward a random model can climb (config/tiny.py):
+    the share of non-space characters that are digits."""
     chars = [c for c in text if not c.isspace()]
     share = sum(c in "0123456789" for c in chars) / len(chars) if chars else 0.0
     return {"format": float(has_format(text)), "parsed": float(bool(chars)), "correct": share}
@@ -628,19 +640,20 @@ def digits_reward(text):
 
 # ---------------------------------------------------------------- the shaping (W2, W3)
 
-OWN_SETTINGS = ("correct", "format", "parsed")  # components weighed by their own settings, not by `weights`
+# components weighed by their own settings, not by `weights`
+OWN_SETTINGS = ("correct", "format", "parsed")
 
 
-def shape_reward(c, length, *, weights=None, format_weight=0.1, correct_weight=1.0, wrong_penalty=0.0,
-                 unparsed_penalty=0.0, length_soft_limit=0, length_penalty=0.05, length_penalty_tokens=32,
-                 length_min=0):
+def shape_reward(c, length, *, weights=None, format_weight=0.1, correct_weight=1.0,
+                 wrong_penalty=0.0, unparsed_penalty=0.0, length_soft_limit=0, length_penalty=0.05,
+                 length_penalty_tokens=32, length_min=0):
     """One scalar from a completion's components and its length in tokens.
 
-    W2: correct_weight * correct + format_weight * format + the task's other components, each times its
-        weight in `weights` (default 1, as TRL's reward_weights). With a "parsed" component, a parseable
-        but wrong answer adds wrong_penalty (small, e.g. -0.1), an unparseable one unparsed_penalty
-        (larger, e.g. -0.5). (A common blog reward gives 0.4 when the answer tag is missing, rewarding
-        the missing answer; not here.)
+    W2: correct_weight * correct + format_weight * format + the task's other components, each times
+        its weight in `weights` (default 1, as TRL's reward_weights). With a "parsed" component, a
+        parseable but wrong answer adds wrong_penalty (small, e.g. -0.1), an unparseable one
+        unparsed_penalty (larger, e.g. -0.5). (A common blog reward gives 0.4 when the answer tag is
+        missing, rewarding the missing answer; not here.)
     W3: past length_soft_limit tokens, -length_penalty per length_penalty_tokens started;
         below length_min tokens the reward is 0. Both 0 = off.
     Example: correct, well formatted, 100 tokens, defaults -> 1.1.
@@ -663,15 +676,17 @@ def score_batch(results, lengths, weights=None, **shaping):
     """Shape N scored completions. Returns (rewards (N,) float32, {component: (N,) float32}).
 
     results: per completion its components dict, or a string saying why the reward failed ("error",
-    "timeout", ...; task.run_rewards). A failed completion scores exactly 0 (no shaping, no penalty) and is
-    counted in components["errors"] (timeouts also in components["timeouts"]). A component some
-    completions lack is 0 for them. lengths: N completion lengths in tokens; weights, shaping: shape_reward's.
+    "timeout", ...; task.run_rewards). A failed completion scores exactly 0 (no shaping, no penalty)
+    and is counted in components["errors"] (timeouts also in components["timeouts"]). A component
+    some completions lack is 0 for them. lengths: N completion lengths in tokens; weights, shaping:
+    shape_reward's.
     """
     failed = [isinstance(c, str) for c in results]
     rewards = [0.0 if f else shape_reward(c, n, weights=weights, **shaping)
                for c, f, n in zip(results, failed, lengths)]
     names = sorted({k for c, f in zip(results, failed) if not f for k in c})
-    per_component = {k: torch.tensor([0.0 if f else c.get(k, 0.0) for c, f in zip(results, failed)]) for k in names}
+    per_component = {k: torch.tensor([0.0 if f else c.get(k, 0.0) for c, f in zip(results, failed)])
+                     for k in names}
     per_component["errors"] = torch.tensor([float(f) for f in failed])
     per_component["timeouts"] = torch.tensor([float(c == "timeout") for c in results])
     return torch.tensor(rewards, dtype=torch.float32), per_component

@@ -1,31 +1,23 @@
 """Sampling: G completions per prompt from a colocated vLLM engine or a plain decoding loop (HF).
 
 Both engines take prompts as token ids and return, per prompt, a list of G `Completion`s with the
-sampler's own logprob of every sampled token, taken from logits / temperature (R5), so they compare
-directly with the trainer's recomputed logprobs. Each row (one completion) comes with its own seed,
-a hash of (seed, step, the prompt's place in the step's global batch, the row's index in its group)
-(derive_seed): a resumed run samples what it would have. The HF engine gives each row its own
-generator, so N ranks sample what one process does; vLLM on a GPU takes one request per row with its
-seed; on a CPU, where a per-request seed crashes vLLM's sampler, the call is seeded from its first
-row's seed (docs/engine.md).
-
-Both engines sample with exactly the settings the trainer assumes, nothing from the model's
-generation_config (a repetition penalty there would make the samples off-policy), and both stop on
-the same tokens (stop_tokens).
+sampler's own logprob of every sampled token, from logits / temperature (R5), so they compare
+directly with the trainer's recomputed logprobs. Each row (one completion) has its own seed, a hash
+of its place in the run (derive_seed), so a resumed run, or N ranks, sample what one process would
+(docs/engine.md). Both sample with exactly the settings the trainer assumes, nothing from the
+model's generation_config (a repetition penalty there would make the samples off-policy), and both
+stop on the same tokens (stop_tokens).
 """
 
-import contextlib
 import hashlib
-import io
-import logging
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
+import log
 import parallel
 from model import self_attending_mask
 from perf import cpu
@@ -39,8 +31,8 @@ class Completion:
     logprobs: list  # sampler's log p of each sampled token under logits / temperature
     truncated: bool  # hit max_tokens before EOS (R6)
     stop_string: str = None  # the stop string it ended on (generate's stop), else None
-    # tool rollouts (ToolEngine): 1 for each token the model sampled, 0 for each token of a tool's output;
-    # None: every token is the model's. logprobs are 0.0 at the tool's tokens, which the mask leaves out.
+    # tool rollouts (ToolEngine): 1 for each token the model sampled, 0 for each of a tool's output
+    # (logprob 0.0 there, which the mask leaves out); None: every token is the model's
     mask: list = None
     tool_calls: int = 0  # tool calls run
     tool_errors: int = 0  # of those, the ones that raised, timed out or were killed
@@ -49,217 +41,180 @@ class Completion:
 
 def derive_seed(*key):
     """A seed below 2**63 (vLLM keeps seeds as int64) from a tuple of ints and strings, e.g.
-    (seed, "train", step, slot, j): blake2b of its repr, so keys that differ in any place give unrelated
-    seeds. (A sum like seed + step + slot * K + j repeats: row j of step t + 1 is row j + 1 of step t.)"""
+    (seed, "train", step, slot, j): blake2b of its repr, so keys that differ in any place give
+    unrelated seeds. (A sum like seed + step + slot * K + j repeats: row j of step t + 1 is row
+    j + 1 of step t.)"""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
 def stop_tokens(tokenizer, generation_config):
-    """Token ids that end a completion: the tokenizer's EOS and every EOS the model's generation_config
-    lists (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>). Both engines stop on exactly these."""
+    """Token ids that end a completion: the tokenizer's EOS and every EOS the model's
+    generation_config lists (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>). Both engines stop on
+    exactly these."""
     eos = getattr(generation_config, "eos_token_id", None)
     listed = [eos] if isinstance(eos, int) else list(eos or [])
     return sorted({tokenizer.eos_token_id, *listed} - {None})
 
 
-class _HarmlessReloadWarning(logging.Filter):
-    """vLLM warns "RotaryEmbedding: Failed to load weights" on every push: rotary caches are buffers it
-    computes itself, not weights, and it restores them. Harmless, so it must not read as a failure."""
-
-    def filter(self, record):
-        return not record.getMessage().endswith("RotaryEmbedding: Failed to load weights")
-
-
-def vllm_available():
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
-def auto_engine():
-    """engine=auto: "vllm" if vLLM imports here, else "hf", saying why (once, from rank 0). An
-    installed vLLM can still fail to import (a CUDA library, or a torch it was not built for): the
-    error's first line is the reason given."""
-    why = None if vllm_available() else "vLLM is not installed"
-    if why is None:
-        try:
-            # its import warns of Triton on a CPU; a failed import is reported below
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                import vllm  # noqa: F401
-        except Exception as e:  # not only ImportError: a broken install raises what it raises
-            first = (str(e).splitlines() or [""])[0]
-            why = (f"vLLM is installed but does not import ({type(e).__name__}: {first}; "
-                   f"--engine=vllm shows it all)")
-    if why and parallel.rank() == 0:
-        print(f"engine=auto: {why}; sampling with the HF engine")
-    return "hf" if why else "vllm"
-
-
 class VLLMEngine:
-    """A colocated vLLM engine in-process, woken and given the policy's weights before every generation (R1, R2)."""
+    """A colocated vLLM engine in-process, given the policy's weights before each generation (R1,
+    R2)."""
 
     def __init__(self, path, cfg, device):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weight pushes are plain tensor copies
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_cpu_kv_cache_gb))  # GiB of KV cache on CPU
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one line per step is ours; set it to INFO to debug
-        from transformers import GenerationConfig
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: a push is a tensor copy
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_cpu_kv_cache_gb))  # GiB, CPU
+        # one line per step is ours; set it to INFO to debug
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
-
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_HarmlessReloadWarning())
-
+        log.quiet_harmless_vllm_warning()
         # R1: sleep mode hands the GPU memory to the trainer between generations. Level 1 copies the
         # weights to CPU RAM and back; level 2 drops them, which is free here because every wake is
         # followed by a full push (vLLM saves and restores its buffers, e.g. rotary caches, itself).
-        on_gpu = torch.device(device).type == "cuda"  # "cuda" or, under torchrun, "cuda:<local rank>"
+        on_gpu = torch.device(device).type == "cuda"  # "cuda", or "cuda:<local rank>" (torchrun)
         self.sleep_level = cfg.vllm_sleep_level if on_gpu else 0
         self.llm = LLM(
-            model=path,
-            dtype=cfg.dtype,
-            seed=cfg.seed,
+            model=path, dtype=cfg.dtype, seed=cfg.seed, enforce_eager=not on_gpu,
             max_model_len=cfg.max_prompt_len + cfg.max_completion_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enable_sleep_mode=self.sleep_level > 0,
-            enforce_eager=not on_gpu,
             # on a CPU, KV blocks short enough that a group's G completions share their prompt's
             block_size=None if on_gpu else cpu.VLLM_CPU_BLOCK_SIZE,
-            logprobs_mode="processed_logprobs",  # after temperature (R5); the default "raw" would ignore it
+            logprobs_mode="processed_logprobs",  # after temperature (R5); "raw" would ignore it
             use_tqdm_on_load=False,  # no progress bar for one small file
-            # under torchrun: one engine per rank (or per group of vllm_tensor_parallel consecutive ranks),
-            # joined to torchrun's process group
+            # under torchrun: one engine per rank (or per group of vllm_tensor_parallel consecutive
+            # ranks), joined to torchrun's process group
             distributed_executor_backend="external_launcher" if parallel.launched else None,
-            tensor_parallel_size=cfg.vllm_tensor_parallel,
-        )
-        self.group = parallel.consecutive_group(cfg.vllm_tensor_parallel)  # the ranks that share this engine
+            tensor_parallel_size=cfg.vllm_tensor_parallel, enable_sleep_mode=self.sleep_level > 0)
+        self.group = parallel.consecutive_group(cfg.vllm_tensor_parallel)  # the ranks sharing it
         self.tokenizer = self.llm.get_tokenizer()
         try:
             self.stop = stop_tokens(self.tokenizer, GenerationConfig.from_pretrained(path))
         except OSError:  # the folder has no generation_config.json
             self.stop = stop_tokens(self.tokenizer, None)
-        # per-request seeds: on a GPU the only way to tie sampling to the row's seed; on a CPU they crash
+        # per-request seeds tie each row's sampling to its seed on a GPU; on a CPU they crash
         self.per_request_seed = on_gpu
-        self.dtype = getattr(torch, cfg.dtype)  # the engine's weights; the trainer keeps fp32 masters
+        self.dtype = getattr(torch, cfg.dtype)  # the engine's weights (the trainer's: fp32 masters)
         self.asleep = False
 
-    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None, progress=False):
-        """n completions per prompt; seeds: one per row (n per prompt, prompt-major); max_tokens: one budget for
-        all, or one per prompt; stop: strings that end a completion (kept in it), on top of the stop tokens."""
+    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None,
+                 progress=False):
+        """n completions per prompt; seeds: one per row (prompt-major); max_tokens: one budget, or
+        one per prompt; stop: strings that end a completion (kept in it), plus the stop tokens."""
         from vllm import SamplingParams
-
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        mine = slice(0, len(prompts))
-        if self.group is not None:  # tensor parallel: every rank of the group hands the engine the same prompts
-            counts = parallel.all_gather_list([len(prompts)], group=self.group)
-            start = sum(counts[: parallel.rank() % len(counts)])  # groups are consecutive ranks
-            mine = slice(start, start + len(prompts))  # this rank keeps the completions of its own prompts
-            prompts, seeds, budgets = (parallel.all_gather_list(x, group=self.group) for x in (prompts, seeds, budgets))
+        # tensor parallel: the group's ranks give the engine one batch; mine: this rank's own rows
+        mine, prompts, seeds, budgets = parallel.gather_group(self.group, prompts, seeds, budgets)
         if not prompts:  # a rank with nothing left to generate (tool turns under torchrun)
             return []
-        # An explicit SamplingParams takes nothing from the model's generation_config but its EOS list (vLLM's
-        # default params would take its repetition penalty too); stop_token_ids makes the stop set the HF engine's
-        params = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0 if temperature > 0 else None,
-                      stop_token_ids=self.stop, stop=stop or None, include_stop_str_in_output=True)
+        # explicit SamplingParams take nothing from generation_config but its EOS list (vLLM's
+        # defaults would take its repetition penalty too); stop_token_ids: the HF engine's stop set
+        params = dict(temperature=temperature, top_p=top_p, top_k=top_k,
+                      logprobs=0 if temperature > 0 else None, stop_token_ids=self.stop,
+                      stop=stop or None, include_stop_str_in_output=True)
         if self.per_request_seed:
-            # one request per row, each with the row's own seed: with n > 1 vLLM would seed a request's samples
-            # seed, seed + 1, ... (its parallel sampling runs them as n child requests, so this costs the same,
-            # and the prefix cache still computes the prompt once)
+            # one request per row, each with the row's own seed: with n > 1 vLLM would seed a
+            # request's samples seed, seed + 1, ... (its parallel sampling runs them as n child
+            # requests, so this costs the same, and the prefix cache still computes the prompt once)
             requests = [p for p in prompts for _ in range(n)]
             params = [SamplingParams(**params, n=1, max_tokens=m, seed=seed)
                       for seed, m in zip(seeds, (m for m in budgets for _ in range(n)))]
-        else:  # the in-process CPU engine samples from torch's global generator; numpy's too, to be safe
-            torch.manual_seed(seeds[0])
-            np.random.seed(seeds[0] % 2**32)
-            requests, params = prompts, [SamplingParams(**params, n=n, max_tokens=m) for m in budgets]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=progress)
+        else:
+            cpu.seed_vllm(seeds[0])
+            requests = prompts
+            params = [SamplingParams(**params, n=n, max_tokens=m) for m in budgets]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params,
+                                    use_tqdm=progress)
         # prompt-major rows, n per prompt, whichever way they were requested
         rows = [self._completion(out.prompt_token_ids, c) for out in outputs for c in out.outputs]
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))][mine]
 
     def _completion(self, prompt_ids, c):
-        """A Completion from one of vLLM's outputs. Decoded here: vLLM's incremental detokenizer can drop a
-        trailing partial UTF-8 byte, and both engines must score the same text for the same tokens."""
+        """A Completion from a vLLM output, decoded here: vLLM's incremental detokenizer can drop a
+        trailing partial UTF-8 byte; both engines must score the same text for the same tokens."""
         logprobs = [next(iter(d.values())).logprob for d in c.logprobs] if c.logprobs else []
         stop_string = c.stop_reason if isinstance(c.stop_reason, str) else None
         text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        return Completion(list(prompt_ids), list(c.token_ids), text, logprobs, c.finish_reason == "length",
-                          stop_string)
+        return Completion(list(prompt_ids), list(c.token_ids), text, logprobs,
+                          c.finish_reason == "length", stop_string)
 
     def wake(self, named_tensors):
         """R1 + R2, before generating: wake the weights, push the policy's, then wake the KV cache.
-
-        Nothing reloads weights from disk: what vLLM holds after this is exactly the trainer's weights.
-        Pushing before the KV cache is back keeps the peak at weights only.
-        """
+        Nothing reloads weights from disk, so vLLM then holds exactly the trainer's weights; pushing
+        before the KV cache is back keeps the peak at weights only."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         self.push_weights(named_tensors)
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        self.llm.reset_prefix_cache()  # a stale prefix cache would serve KV computed with the previous policy
+        self.llm.reset_prefix_cache()  # stale, it would serve KV computed with the previous policy
 
     def sleep(self):
-        """R1, after generating: free the GPU memory for the update (a no-op where sleep mode is unsupported)."""
+        """R1, after generating: free the GPU memory for the update (a no-op without sleep mode)."""
         if self.sleep_level:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = True
 
     def push_weights(self, named_tensors):
-        """Load (name, tensor) pairs in place, consumed lazily: one tensor (or bucket) is materialised at a time."""
-        cast = ((name, t.to(self.dtype)) for name, t in named_tensors)  # as vLLM would round them, one at a time
-        # the worker's reload_weights (not its model runner's) sets vLLM's current config, which MoE and
-        # quantised weight loaders read
-        self.llm.collective_rpc(lambda worker, w: worker.reload_weights(weights_iterator=w), args=(cast,))
+        """Load (name, tensor) pairs in place, consumed lazily: one tensor (or bucket) at a time."""
+        # as vLLM would round them, one at a time
+        cast = ((name, t.to(self.dtype)) for name, t in named_tensors)
+        # the worker's reload_weights (not its model runner's) sets vLLM's current config, which MoE
+        # and quantised weight loaders read
+        self.llm.collective_rpc(lambda worker, w: worker.reload_weights(weights_iterator=w),
+                                args=(cast,))
 
 
 class HFEngine:
-    """The policy itself as the sampler, in a plain batched decoding loop: no second copy of the weights, so
-    nothing to push, and nothing from the model's generation_config but its EOS list."""
+    """The policy itself as the sampler, in a plain batched decoding loop: no second copy of the
+    weights, so nothing to push, and nothing from the model's generation_config but its EOS list."""
 
     def __init__(self, policy, tokenizer, synced_gpus=False, dtype="float32"):
-        # FSDP2 gathers weights in every forward: all ranks must keep stepping until the slowest is done
+        # FSDP2 gathers weights in every forward: all ranks keep stepping until the slowest is done
         self.policy, self.tokenizer, self.synced_gpus = policy, tokenizer, synced_gpus
-        self.autocast = dtype == "bfloat16"  # decode in the trainer's compute dtype (R2: the same numerics)
+        self.autocast = dtype == "bfloat16"  # the trainer's compute dtype (R2: the same numerics)
         hf_model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         self.stop = stop_tokens(tokenizer, hf_model.generation_config)
 
     @torch.no_grad()
-    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None, progress=False):
-        """n completions per prompt; seeds: one per row (n per prompt, prompt-major); max_tokens: one budget for
-        all, or one per prompt; stop: strings that end a completion (kept in it), on top of the stop tokens."""
+    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None,
+                 progress=False):
+        """As VLLMEngine.generate."""
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         # every prompt's n rows in one batch, each row drawn from a generator of its own seed
-        rows = [(list(p), seeds[i * n + j], m) for i, (p, m) in enumerate(zip(prompts, budgets)) for j in range(n)]
+        rows = [(list(p), seeds[i * n + j], m)
+                for i, (p, m) in enumerate(zip(prompts, budgets)) for j in range(n)]
         was_training = self.policy.training
         self.policy.eval()
         try:
-            tokens, logprobs, ends = self._decode(rows, temperature, top_p, top_k, stop or [], progress)
+            tokens, logprobs, ends = self._decode(rows, temperature, top_p, top_k, stop, progress)
         finally:
             self.policy.train(was_training)
         groups = []
         for i, prompt in enumerate(prompts):
             group = []
             for r in range(i * n, (i + 1) * n):
-                end, why = ends[r]  # the stop token or string included; the padding after it dropped
+                end, why = ends[r]  # the stop token or string included, the padding after it not
                 sampled = tokens[r][:end]
-                group.append(Completion(list(prompt), sampled, self.tokenizer.decode(sampled, skip_special_tokens=True),
-                                        logprobs[r][:end] if temperature > 0 else [], why == "length",
+                text = self.tokenizer.decode(sampled, skip_special_tokens=True)
+                group.append(Completion(list(prompt), sampled, text,
+                                        logprobs[r][:end] if temperature > 0 else [],
+                                        why == "length",
                                         why if why not in ("length", "eos") else None))
             groups.append(group)
         return groups
 
     def _decode(self, rows, temperature, top_p, top_k, stop, progress):
-        """(tokens, logprobs, ends) per row: tokens and logprobs as far as the longest row went, and where the
-        row ends with why: (length, "eos" | "length" | the stop string). From a KV cache.
-
-        Prompts are left-padded so every row's next token goes in the same column; each row's positions
-        count from its own first token (0, 1, ...), exactly the trainer's on its right-padded rows.
-        """
+        """(tokens, logprobs, ends) per row, from a KV cache: tokens and logprobs as far as the
+        longest row went, and where the row ends with why: (length, "eos" | "length" | the stop
+        string). Prompts are left-padded so every row's next token goes in the same column; each
+        row's positions count from its own first token (0, 1, ...), as the trainer's right-padded
+        rows do."""
         device = next(self.policy.parameters()).device
         pad = self.tokenizer.pad_token_id
         if not rows and not self.synced_gpus:
             return [], [], []
-        rows = rows or [([pad], 0, 1)]  # FSDP2 under synced_gpus: a rank with no prompts still joins every forward
+        rows = rows or [([pad], 0, 1)]  # FSDP2: a rank with no prompts still joins every forward
         ends = [None] * len(rows)
         R, P = len(rows), max(len(p) for p, _, _ in rows)
         ids = torch.full((R, P), pad, dtype=torch.long, device=device)
@@ -276,8 +231,8 @@ class HFEngine:
         steps = int(parallel.all_max(max(budgets))) if self.synced_gpus else max(budgets)
         cache, done, logprobs = DynamicCache(), torch.zeros(R, dtype=torch.bool, device=device), []
         tokens = [[] for _ in rows]  # each row's sampled tokens, up to its end
-        # one autocast region around the whole loop: each fp32 master weight is cast to bf16 once per call (autocast
-        # caches casts of leaf weights until its outermost region ends), not once per token
+        # one autocast region around the whole loop: each fp32 master weight is cast to bf16 once a
+        # call (autocast caches casts of leaf weights until its outermost region ends), not a token
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
             for k in tqdm(range(steps), desc="generate", disable=not progress, leave=False):
                 # the prefill's padding queries attend to themselves (no fully masked row); the
@@ -290,12 +245,15 @@ class HFEngine:
                 token = torch.where(done, pad, token)  # a stopped row is fed padding, and keeps it
                 logprobs.append(logp)
                 step = token.tolist()
-                for r in (~done).nonzero().flatten().tolist():  # the rows that took a token now: do they end here?
+                # the rows that took a token now: do they end here?
+                for r in (~done).nonzero().flatten().tolist():
                     tokens[r].append(step[r])
                     why = self._ended(tokens[r], budgets[r], stop)
                     if why:
                         ends[r], done[r] = (k + 1, why), True
-                if self._all_done(done):
+                # under synced_gpus, done on every rank (each forward is a collective there)
+                all_done = bool(done.all())
+                if parallel.all_min(int(all_done)) if self.synced_gpus else all_done:
                     break
                 ids, positions = token[:, None], positions[:, -1:] + 1
                 mask = torch.cat([mask, mask.new_ones(R, 1)], 1)
@@ -303,20 +261,16 @@ class HFEngine:
         return tokens, logprobs, ends
 
     def _ended(self, row, budget, stop):
-        """Why a row ends at its last token ("eos", a stop string, "length"), or None: it goes on. A stop string
-        ends the row at the first token whose text completes it, as vLLM's check does."""
+        """Why a row ends at its last token ("eos", a stop string, "length"), or None: it goes on.
+        A stop string ends the row at the first token whose text completes it, as vLLM's check
+        does."""
         if row[-1] in self.stop:
             return "eos"
-        for s in stop:  # the row's last tokens hold any stop string completed now (a token is at least a byte)
+        # the row's last tokens hold any stop string completed now (a token is at least a byte)
+        for s in stop or ():
             if s in self.tokenizer.decode(row[-len(s) - 4 :], skip_special_tokens=True):
                 return s
         return "length" if len(row) >= budget else None
-
-    def _all_done(self, done):
-        """Every row stopped; under synced_gpus, on every rank (each forward is a collective there)."""
-        if self.synced_gpus:
-            return parallel.all_max(int(not bool(done.all()))) == 0
-        return bool(done.all())
 
     def wake(self, named_tensors):
         """The engine samples from the policy object itself: always current, nothing to push."""
@@ -326,12 +280,11 @@ class HFEngine:
 
 
 def sample_next(logits, temperature, top_p, top_k, generators):
-    """(R,) next tokens and (R,) their logprobs under the processed distribution: logits / temperature, then
-    top-k, then top-p (transformers' order; the kept tokens renormalised, as vLLM's processed logprobs are).
-
-    Each row draws from its own generator, so a row's sample depends on its seed only, not on the batch
-    it is in (N ranks sample what one process does). temperature 0: greedy, logprobs None.
-    """
+    """(R,) next tokens and (R,) their logprobs under the processed distribution: logits /
+    temperature, then top-k, then top-p (transformers' order; the kept tokens renormalised, as
+    vLLM's processed logprobs are). Each row draws from its own generator, so a row's sample depends
+    on its seed only, not on the batch it is in (N ranks sample what one process does).
+    temperature 0: greedy, logprobs None."""
     if temperature == 0:
         return logits.argmax(-1), None
     z = logits / temperature  # (R, V)
@@ -344,15 +297,11 @@ def sample_next(logits, temperature, top_p, top_k, generators):
         tail[:, -1] = False  # the most likely token always stays
         z = z.masked_fill(tail.scatter(1, order, tail), float("-inf"))
     logp = torch.log_softmax(z, dim=-1)
-    # inverse-CDF sampling: one uniform per row from the row's own generator, and the first token whose cumulative
-    # probability passes it (a masked token, p = 0, never does). torch.multinomial would draw a random number per
-    # vocabulary entry, row by row: at V = 49k that was an eighth of the engine's time on a CPU
+    # inverse-CDF sampling: one uniform per row from the row's own generator, and the first token
+    # whose cumulative probability passes it (a masked token, p = 0, never does). torch.multinomial
+    # would draw a random number per vocabulary entry, row by row: slow on a CPU at V = 49k
     cdf = logp.double().exp().cumsum(-1)  # (R, V); fp64, so 150k summed probabilities do not drift
-    u = torch.cat([torch.rand(1, generator=g, device=z.device, dtype=torch.float64) for g in generators])
+    u = torch.cat([torch.rand(1, generator=g, device=z.device, dtype=torch.float64)
+                   for g in generators])
     token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)  # (R,)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
-
-
-# ---------------------------------------------------------------- tool calls: multi-turn rollouts
-
-

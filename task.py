@@ -2,24 +2,30 @@
 
     python grpo.py --task=countdown                  # a built-in task: tasks/countdown.py
     python grpo.py --task=mytask.py                  # your own file
-    python grpo.py --task=gsm8k --data_path=data/gsm8k   # a task's problems from a dataset (data/files.py)
+    python grpo.py --task=gsm8k --data_path=data/gsm8k   # problems from a dataset (data/files.py)
     python grpo.py --task=mine.jsonl                 # shorthand: tasks/dataset.py on that file
 
 A task file defines three functions (tasks/larger.py is a complete example):
 
-    problems(split, n, seed) -> list of dicts     split is "train" or "test"; not needed with data_path
-    prompt(problem)          -> chat messages [{"role": "user", "content": ...}] or a raw string (no template)
-    reward(completion, problem) -> a float, or a dict of named floats; "correct" (1/0, or a share) makes
-                                   pass@k and accuracy; "format" and "parsed" feed the shaping (rewards.py)
+    problems(split, n, seed) -> list of dicts     split is "train" or "test"; not needed with
+                                                  data_path
+    prompt(problem)          -> chat messages [{"role": "user", "content": ...}] or a raw string
+                                (no template)
+    reward(completion, problem) -> a float, or a dict of named floats; "correct" (1/0, or a share)
+                                   makes pass@k and accuracy; "format" and "parsed" feed the
+                                   shaping (rewards.py)
 
 and may define:
 
     reference(problem)       -> a completion that earns full reward (`python task.py --audit`)
-    COMPLETION_PREFIX = "<think>"   the answer's first words, written by the prompt, not sampled; the reward
-                                    sees them in front of the completion (R1-Zero's template ends with it)
-    WEIGHTS = {"numbers_valid": 0}  weights of the task's own components (default 1; reward_weights overrides)
+    COMPLETION_PREFIX = "<think>"   the answer's first words, written by the prompt, not sampled;
+                                    the reward sees them in front of the completion (R1-Zero's
+                                    template ends with it)
+    WEIGHTS = {"numbers_valid": 0}  weights of the task's own components (default 1;
+                                    reward_weights overrides)
     COLUMNS = {"question": "prompt"}  dataset columns to rename before a row becomes a problem
-    check(problem)                  raise ValueError saying what a dataset row lacks (named with its line)
+    check(problem)                  raise ValueError saying what a dataset row lacks (named with
+                                    its line)
     configure(cfg)                  called once with the run's Config before anything else
     RUNS_CODE = True                the reward runs the model's code (sandbox.py): the run starts
                                     only where the sandbox that `sandbox` accepts can be had; or a
@@ -43,12 +49,12 @@ The reward is then TRL's: the weighted sum of the functions' scores, a None left
 each function is logged as reward/<its name>, and a completion every function gives None scores 0
 and is counted in reward/unscored. correct_weight does not apply (the functions' weights do).
 
-The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or hangs
-scores 0 for that completion and is counted in reward/errors; the run goes on. Module state the reward
-changes therefore does not persist from batch to batch. Every process a reward starts (a daemon that
-double-forks too) is ended when its call ends, and the reward's process dies with the trainer.
-reward_timeout=0 runs it in-process: no deadline, and what it starts is its own to end (a helper
-process may live across batches).
+The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or
+hangs scores 0 for that completion and is counted in reward/errors; the run goes on. Module state
+the reward changes therefore does not persist from batch to batch. Every process a reward starts (a
+daemon that double-forks too) is ended when its call ends, and the reward's process dies with the
+trainer. reward_timeout=0 runs it in-process: no deadline, and what it starts is its own to end (a
+helper process may live across batches).
 """
 
 import asyncio
@@ -106,7 +112,8 @@ def builtin_tasks():
 
 
 def task_file(cfg):
-    """The file `cfg.task` names: a built-in name, a .py path, or (a data file as the task) tasks/dataset.py."""
+    """The file `cfg.task` names: a built-in name, a .py path, or
+    (a data file as the task) tasks/dataset.py."""
     if cfg.task in builtin_tasks():
         return os.path.join(TASK_DIR, cfg.task + ".py")
     if cfg.task.endswith(".py"):
@@ -115,12 +122,13 @@ def task_file(cfg):
         return cfg.task
     if is_data_path(cfg.task):
         return os.path.join(TASK_DIR, "dataset.py")
-    raise ConfigError(f"task={cfg.task!r}: choose a built-in task {builtin_tasks()}, a task file (.py), "
-                      f"or a data file (.jsonl, .parquet, .csv) or folder")
+    raise ConfigError(f"task={cfg.task!r}: choose a built-in task {builtin_tasks()}, a task file "
+                      "(.py), or a data file (.jsonl, .parquet, .csv) or folder")
 
 
 def import_file(path):
-    """The module in the file at `path` (loaded by path: tasks/ is a folder of files, not a package)."""
+    """The module in the file at `path`
+    (loaded by path: tasks/ is a folder of files, not a package)."""
     name = "task_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -130,12 +138,14 @@ def import_file(path):
 
 
 def load_task(cfg):
-    """Import the task file, check it defines what the run needs, call its configure(cfg). Fails in pre-flight."""
+    """Import the task file, check it defines what the run needs,
+    call its configure(cfg). Fails in pre-flight."""
     path = task_file(cfg)
     module = import_file(path)
     data_path = cfg.data_path or (cfg.task if is_data_path(cfg.task) else "")
     trl = hasattr(module, "reward_funcs")
-    for name, signature in (("prompt", "prompt(problem)"), ("reward", "reward(completion, problem)"),
+    for name, signature in (("prompt", "prompt(problem)"),
+                            ("reward", "reward(completion, problem)"),
                             ("problems", "problems(split, n, seed)")):
         if (name == "problems" and data_path) or (name == "reward" and trl):
             continue  # the problems come from the dataset; the reward from reward_funcs
@@ -148,12 +158,14 @@ def load_task(cfg):
                               f"cannot be called as {signature}")
     if hasattr(module, "configure"):
         module.configure(cfg)
-    extras = {"completion_prefix": getattr(module, "COMPLETION_PREFIX", ""), "weights": getattr(module, "WEIGHTS", {}),
+    extras = {"completion_prefix": getattr(module, "COMPLETION_PREFIX", ""),
+              "weights": getattr(module, "WEIGHTS", {}),
               "columns": getattr(module, "COLUMNS", {}), "check": getattr(module, "check", None),
               "runs_code": getattr(module, "RUNS_CODE", False),
               "reference": getattr(module, "reference", None)}
     if not isinstance(extras["completion_prefix"], str) or not isinstance(extras["weights"], dict):
-        raise ConfigError(f"task file {path}: COMPLETION_PREFIX must be a string and WEIGHTS a dict of floats")
+        raise ConfigError(f"task file {path}: COMPLETION_PREFIX must be a string and WEIGHTS a "
+                          "dict of floats")
     if not isinstance(extras["runs_code"], bool) and not callable(extras["runs_code"]):
         raise ConfigError(f"task file {path}: RUNS_CODE must be True, False or a function of a "
                           "problem")
@@ -276,9 +288,10 @@ def load_problems(cfg, task, split):
         rows = load_rows(cfg.data_path or cfg.task, split, n, columns, task.check, cfg.data_name)
         return json_safe(task, rows)
     problems = task.problems(split, n, cfg.data_seed)
-    if not isinstance(problems, list) or not problems or not all(isinstance(p, dict) for p in problems):
-        raise ConfigError(f"{task.where}: problems({split!r}, {n}, {cfg.data_seed}) must return a non-empty list "
-                          f"of dicts, got {type(problems).__name__}")
+    if (not isinstance(problems, list) or not problems
+            or not all(isinstance(p, dict) for p in problems)):
+        raise ConfigError(f"{task.where}: problems({split!r}, {n}, {cfg.data_seed}) must return a "
+                          f"non-empty list of dicts, got {type(problems).__name__}")
     problems = [{**p, "id": str(p.get("id", f"{split}:{i}"))} for i, p in enumerate(problems)]
     return json_safe(task, problems)
 
@@ -301,16 +314,17 @@ def prompt_text(tokenizer, task, problem):
 
 
 def render(tokenizer, task, p):
-    """prompt()'s value as text: chat messages through the chat template, a raw string as it is; then the
-    COMPLETION_PREFIX (in a chat, the start of the assistant's turn)."""
+    """prompt()'s value as text: chat messages through the chat template, a raw string as it is;
+    then the COMPLETION_PREFIX (in a chat, the start of the assistant's turn)."""
     if isinstance(p, str):
         return p + task.completion_prefix  # R1-Zero style: a base model, no template
     if not tokenizer.chat_template:
-        raise ConfigError(f"{task.where}: prompt() returned chat messages but this tokenizer has no chat template "
-                          "(a base model?); return a raw string instead")
+        raise ConfigError(f"{task.where}: prompt() returned chat messages but this tokenizer has "
+                          "no chat template (a base model?); return a raw string instead")
     if task.completion_prefix:  # the assistant's turn opened and begun, not closed
-        return tokenizer.apply_chat_template([*p, {"role": "assistant", "content": task.completion_prefix}],
-                                             continue_final_message=True, tokenize=False)
+        opened = {"role": "assistant", "content": task.completion_prefix}
+        return tokenizer.apply_chat_template([*p, opened], continue_final_message=True,
+                                             tokenize=False)
     return tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
 
 
@@ -329,25 +343,28 @@ def tokenize_prompts(tokenizer, task, problems, max_prompt_len):
         # a chat template writes its own special tokens (BOS); a raw prompt gets the tokenizer's
         ids = tokenizer(text, add_special_tokens=isinstance(p, str)).input_ids
         if len(ids) > max_prompt_len:
-            raise ConfigError(f"prompt {problem['id']} has {len(ids)} tokens > max_prompt_len={max_prompt_len}; "
-                              "raise it")
+            raise ConfigError(f"prompt {problem['id']} has {len(ids)} tokens > "
+                              f"max_prompt_len={max_prompt_len}; raise it")
         out.append(ids)
     return out
 
 
 def is_chat(p):
     """True for a non-empty list of {"role": ..., "content": str} messages."""
-    return isinstance(p, list) and bool(p) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in p)
+    return isinstance(p, list) and bool(p) and all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) for m in p)
 
 
 def check_task_output(task, problems, cfg):
-    """Pre-flight: prompt() gives a string or chat messages for every problem, and reward() a float or a dict of
-    floats on an empty completion (raising there is allowed: an empty answer may well be an error)."""
+    """Pre-flight: prompt() gives a string or chat messages for every problem, and reward() a float
+    or a dict of floats on an empty completion (raising there is allowed: an empty answer may well
+    be an error)."""
     for p in problems:
         out = task.prompt(p)
         if not isinstance(out, str) and not is_chat(out):
-            raise ConfigError(f"{task.where}: prompt() returned {out!r:.80} for problem {p['id']}; expected a raw "
-                              "string or chat messages like [{'role': 'user', 'content': '...'}]")
+            raise ConfigError(f"{task.where}: prompt() returned {out!r:.80} for problem {p['id']}; "
+                              "expected a raw string or chat messages like [{'role': 'user', "
+                              "'content': '...'}]")
         if isinstance(out, str) and not (out + task.completion_prefix).strip():
             raise ConfigError(f"{task.where}: prompt() returned {out!r} for problem {p['id']}: "
                               "the model needs some text to continue")
@@ -368,12 +385,14 @@ def check_task_output(task, problems, cfg):
 
 
 def as_components(value):
-    """A reward's return value as {name: float}: a float becomes {"score": float}. Raises TypeError otherwise."""
+    """A reward's return value as {name: float}:
+    a float becomes {"score": float}. Raises TypeError otherwise."""
     if isinstance(value, (int, float)):
         value = {"score": value}
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
                                               for k, v in value.items()):
-        raise TypeError(f"wrong type: returned {value!r:.80}; expected a float or a dict of named floats")
+        raise TypeError(f"wrong type: returned {value!r:.80}; expected a float or a dict of named "
+                        "floats")
     try:
         floats = {k: float(v) for k, v in value.items()}
     except OverflowError:  # an int past float's range, e.g. 10**400
@@ -467,7 +486,8 @@ def _end_leftovers():
 
 
 _REPORTED = set()  # the first failure of each kind is printed once per process, then only counted
-FAILURES = {"error": "a reward raised (or its process died)", "timeout": "a reward ran past reward_timeout"}
+FAILURES = {"error": "a reward raised (or its process died)",
+            "timeout": "a reward ran past reward_timeout"}
 
 
 def report(value, detail):
@@ -475,18 +495,19 @@ def report(value, detail):
     kind = value if value in FAILURES else "wrong type"
     if kind not in _REPORTED:
         _REPORTED.add(kind)
-        print(f"warning: {FAILURES.get(kind, 'a reward returned the wrong type')}; the completion scores 0 and is "
-              f"counted in reward/errors (printed once):\n{detail}", file=sys.stderr)
+        print(f"warning: {FAILURES.get(kind, 'a reward returned the wrong type')}; the completion "
+              f"scores 0 and is counted in reward/errors (printed once):\n{detail}",
+              file=sys.stderr)
 
 
 def run_rewards(reward, texts, problems, timeout, workers=1, quiet=False, failed=None):
-    """reward(text, problem) for each completion: a components dict, or a string saying why it failed
-    ("error", "timeout", "wrong type: ..."). With timeout > 0, `workers` forked children each score a share
-    in order; one that sends nothing for `timeout` s is killed, its completion marked "timeout", and a fresh
-    child goes on with the rest. A worker kills every process its reward leaves (after each call),
-    and is killed with them on a timeout. timeout = 0: in this process, no deadline, none killed.
-    Each failure is reported (once a process for each kind), or not (quiet), or given to
-    failed(value, detail) with its traceback or reason."""
+    """reward(text, problem) for each completion: a components dict, or a string saying why it
+    failed ("error", "timeout", "wrong type: ..."). With timeout > 0, `workers` forked children each
+    score a share in order; one that sends nothing for `timeout` s is killed, its completion marked
+    "timeout", and a fresh child goes on with the rest. A worker kills every process its reward
+    leaves (after each call), and is killed with them on a timeout. timeout = 0: in this process, no
+    deadline, none killed. Each failure is reported (once a process for each kind), or not (quiet),
+    or given to failed(value, detail) with its traceback or reason."""
     jobs = [(i, (t, p)) for i, (t, p) in enumerate(zip(texts, problems))]
     failed = failed or (ignore if quiet else report)
     return _run_jobs(reward, jobs, as_components, timeout, workers, failed)
@@ -510,7 +531,8 @@ def _run_jobs(reward, jobs, check, timeout, workers, failed, size=lambda args: 1
     if not timeout:
         _score_all(reward, jobs, record, check)
         return results
-    ctx = multiprocessing.get_context("fork")  # the child inherits the task module: any function works
+    # the child inherits the task module: any function works
+    ctx = multiprocessing.get_context("fork")
 
     def start(share):
         parent, child = ctx.Pipe(duplex=False)
@@ -531,10 +553,12 @@ def _run_jobs(reward, jobs, check, timeout, workers, failed, size=lambda args: 1
                     message, dead = conn.recv(), False
                 except EOFError:  # the child died (a crash, os._exit) while scoring share[0]
                     proc.join()
-                    message, dead = (share[0][0], "error", f"its process died (exit code {proc.exitcode})"), True
+                    message, dead = (share[0][0], "error",
+                                     f"its process died (exit code {proc.exitcode})"), True
             elif time.monotonic() >= deadline:
                 end_tree(proc.pid, with_root=True)  # the worker and all its reward started
-                message, dead = (share[0][0], "timeout", f"no result within reward_timeout={timeout} s"), True
+                message, dead = (share[0][0], "timeout",
+                                 f"no result within reward_timeout={timeout} s"), True
             else:
                 running[conn] = [proc, share, deadline]
                 continue
@@ -657,7 +681,8 @@ def reward_shaping(task, cfg):
 def score(task, texts, problems, lengths, cfg, completion_ids=None):
     """Rewards (N,) and components {name: (N,)} of N completions: the task's reward, then the
     shaping (W2, W3). completion_ids: their sampled token ids, for TRL's reward functions."""
-    seen = [task.completion_prefix + t for t in texts]  # the reward sees the answer as the model's whole turn
+    # the reward sees the answer as the model's whole turn
+    seen = [task.completion_prefix + t for t in texts]
     results = task_rewards(task, seen, problems, cfg.reward_timeout, cfg.reward_workers,
                            completion_ids)
     weights, shape = reward_shaping(task, cfg)
@@ -675,7 +700,8 @@ def replay(path, config_path=None):
     shaping come from the run's config.json (beside the file unless config_path says otherwise).
     Returns the number of disagreements.
     """
-    cfg = load_saved(config_path or os.path.join(os.path.dirname(os.path.abspath(path)), "config.json"))
+    cfg = load_saved(config_path or os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                 "config.json"))
     task = load_task(cfg)
     sandbox.ALLOWED = cfg.sandbox  # code is re-run in the sandbox the run accepted, or fails
     rows, disagreements = 0, 0
@@ -684,17 +710,19 @@ def replay(path, config_path=None):
     for lineno, rec in enumerate(records, 1):
         rows += 1
         ids = [rec["completion_ids"]] if "completion_ids" in rec else None
-        fresh = task_rewards(task, [task.completion_prefix + rec["completion"]], [rec["problem"]], 0,
-                             completion_ids=ids)[0]
+        fresh = task_rewards(task, [task.completion_prefix + rec["completion"]], [rec["problem"]],
+                             0, completion_ids=ids)[0]
         failed, fresh = isinstance(fresh, str), {} if isinstance(fresh, str) else fresh
-        # "errors" and "timeouts" count rewards that failed at training time; the reward check catches those.
-        # A component a completion lacks (a reward function's None) was logged as 0 (score_batch)
-        checks = {k: (v, None if failed else fresh.get(k, 0.0)) for k, v in rec.get("components", {}).items()
-                  if k not in ("errors", "timeouts")}
+        # "errors" and "timeouts" count rewards that failed at training time; the reward check
+        # catches those. A component a completion lacks (a reward function's None) was logged as 0
+        # (score_batch)
+        checks = {k: (v, None if failed else fresh.get(k, 0.0))
+                  for k, v in rec.get("components", {}).items() if k not in ("errors", "timeouts")}
         if "reward" in rec:
             weights, shape = reward_shaping(task, cfg)
             rewards, _ = score_batch([fresh], [rec.get("length", 0)], weights, **shape)
-            penalty = cfg.tool_error_penalty * rec.get("tool_errors", 0)  # a tool run's failed calls
+            # a tool run's failed calls
+            penalty = cfg.tool_error_penalty * rec.get("tool_errors", 0)
             checks["reward"] = (rec["reward"], rewards[0].item() - penalty)
         if "label" in rec:
             checks["label"] = (rec["label"], fresh.get("correct"))

@@ -1,6 +1,7 @@
-# Qwen2.5-3B-Instruct on the Countdown game (D1) with GRPO and LoRA, on one 24 GB GPU (RTX 3090/4090,
-# A10, L4). Not yet run: pre-flight's estimate is what sized it (python preflight.py --config
-# config/countdown_3b_24gb.py --device_memory_gb=24), so treat it as a starting point.
+# Qwen2.5-3B-Instruct on the Countdown game (D1) with GRPO and LoRA, on one 24 GB GPU
+# (RTX 3090/4090, A10, L4). Not yet run: pre-flight's estimate is what sized it (python
+# preflight.py --config config/countdown_3b_24gb.py --device_memory_gb=24), so treat it as a
+# starting point.
 #   python grpo.py --config config/countdown_3b_24gb.py
 # Pre-flight for 24 GiB: update peak ~20.1 GiB; vLLM's share 8.4 + the trainer's resident 12.2.
 # LoRA (rank 32 on every linear layer) keeps AdamW's moments and the gradients small; the frozen
@@ -27,7 +28,8 @@ micro_batch_tokens = 8192  # O3
 fused_logprobs = True  # L6: no (B, T, V) logits; at a 152k vocabulary they would not fit here
 
 temperature = 1.0  # R4
-gpu_memory_utilization = 0.35  # R1: vLLM's bf16 weights (~6 GB) and its KV cache; asleep in the update
+# R1: vLLM's bf16 weights (~6 GB) and its KV cache; asleep during the update
+gpu_memory_utilization = 0.35
 
 lora_rank = 32  # O5
 lora_alpha = 64  # O5: scale 2

@@ -1,8 +1,11 @@
-# Tool calls inside a rollout: SmolLM2-135M-Instruct multiplies 3-digit by 2-digit numbers with a Python tool.
+# Tool calls inside a rollout:
+# SmolLM2-135M-Instruct multiplies 3-digit by 2-digit numbers with a Python tool.
 #   python grpo.py --config config/multiply_tools.py
-# CPU, about 25 minutes. The model writes a ```python block, generation stops at its closing fence, the
-# sandbox runs it, the output comes back as tokens the model does not train on (rollout.ToolEngine).
-task = "multiply"  # tasks/multiply.py: the reward judges the number the model writes after the tool's output
+# CPU, about 25 minutes. The model writes a ```python block, generation stops at its closing fence,
+# the sandbox runs it, the output comes back as tokens the model does not train on
+# (rollout.ToolEngine).
+# tasks/multiply.py: the reward judges the number the model writes after the tool's output
+task = "multiply"
 out_dir = "out/multiply_tools"
 max_steps = 20
 

@@ -1,7 +1,7 @@
 # A tiny randomly initialised model on a trivially learnable task: the smoke-test run.
 #   python grpo.py --config config/tiny.py
-# CPU, about 25 s with vLLM (most of it engine start-up): the share of digits climbs from ~0.07 to ~1.0
-# within 20 steps, the whole learning signal a random 2-layer model can show.
+# CPU, about 25 s with vLLM (most of it engine start-up): the share of digits climbs from ~0.07 to
+# ~1.0 within 20 steps, the whole learning signal a random 2-layer model can show.
 model = "tiny"
 task = "digits"  # the share of digits in the completion: a reward a random model can climb
 out_dir = "out/tiny"

@@ -9,14 +9,17 @@ from fractions import Fraction
 
 from data.split import draw_distinct
 
-OPS = {"+": Fraction.__add__, "-": Fraction.__sub__, "*": Fraction.__mul__, "/": Fraction.__truediv__}
+OPS = {"+": Fraction.__add__, "-": Fraction.__sub__, "*": Fraction.__mul__,
+       "/": Fraction.__truediv__}
 
 
 def random_solution(numbers, rng):
-    """Combine all `numbers` with random ops: (exact value, expression), or None after a division by 0."""
+    """Combine all `numbers` with random ops: (exact value, expression),
+    or None after a division by 0."""
     items = [(Fraction(n), str(n)) for n in numbers]
     while len(items) > 1:
-        (a, a_expr), (b, b_expr) = items.pop(rng.randrange(len(items))), items.pop(rng.randrange(len(items)))
+        (a, a_expr), (b, b_expr) = (items.pop(rng.randrange(len(items))),
+                                    items.pop(rng.randrange(len(items))))
         op = rng.choice("+-*/")
         if op == "/" and b == 0:
             return None
@@ -26,7 +29,8 @@ def random_solution(numbers, rng):
 
 
 def countdown_problems(split, n, seed=0, num_counts=(3, 4), max_number=99, max_target=100):
-    """The first n distinct problems of `split` ("train" or "test") from the stream seeded by `seed`.
+    """The first n distinct problems of `split`
+    ("train" or "test") from the stream seeded by `seed`.
 
     Difficulty knobs: num_counts (how many numbers, drawn per problem), max_number (numbers are
     1..max_number), max_target (targets are 1..max_target). Same arguments, same problems.
@@ -38,7 +42,8 @@ def countdown_problems(split, n, seed=0, num_counts=(3, 4), max_number=99, max_t
         if made is None or made[0].denominator != 1 or not 1 <= made[0] <= max_target:
             return None
         target = int(made[0])
-        key = f"countdown:{sorted(numbers)}:{target}"  # the order of the numbers does not make a new problem
+        # the order of the numbers does not make a new problem
+        key = f"countdown:{sorted(numbers)}:{target}"
         return key, key, {"numbers": numbers, "target": target, "solution": made[1]}
 
     return draw_distinct(split, n, seed, make)

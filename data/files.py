@@ -1,9 +1,10 @@
-"""Problems from a dataset: JSONL, Parquet or CSV files, a Hugging Face `datasets` folder, or a hub name.
+"""Problems from a dataset: JSONL, Parquet or CSV files, a Hugging Face `datasets` folder,
+or a hub name.
 
-    data_path = "mine.jsonl"           # one JSON object per line
-    data_path = "mine.parquet"         # or mine.csv (every cell a string; a JSON list in a cell is read as a list)
-    data_path = "data/gsm8k"           # a folder: load_dataset's layout (train/test files) or save_to_disk's
-    data_path = "openai/gsm8k"         # a hub name, when the machine is online (data_name = "main" picks its config)
+    data_path = "mine.jsonl"    # one JSON object per line
+    data_path = "mine.parquet"  # or mine.csv (cells are strings; one holding a JSON list is a list)
+    data_path = "data/gsm8k"    # a folder: load_dataset's layout (train/test files), save_to_disk's
+    data_path = "openai/gsm8k"  # a hub name, when online (data_name = "main" picks its config)
 
 Each row becomes one problem dict: its columns, renamed by the task's COLUMNS and then by the
 data_columns setting ("question:prompt,solution:answer"), plus an "id" (the row's own, or
@@ -23,7 +24,8 @@ TEST_SPLITS = ("test", "validation")  # a dataset's own held-out split, in order
 
 
 class DataError(ValueError):
-    """A dataset that cannot become problems; the message names the file, the row and what to change."""
+    """A dataset that cannot become problems; the message names the file,
+    the row and what to change."""
 
 
 def is_data_path(path):
@@ -46,7 +48,8 @@ def read_text(path):
 
 
 def read_jsonl(path):
-    """The rows of a JSONL file, each with its line number; a malformed line is an error naming it."""
+    """The rows of a JSONL file, each with its line number;
+    a malformed line is an error naming it."""
     rows = []
     for lineno, line in enumerate(read_text(path).split("\n"), 1):  # JSON strings may hold U+2028
         if not line.strip():
@@ -66,7 +69,8 @@ def read_jsonl(path):
 
 
 def read_csv(path):
-    """The rows of a CSV file with a header line; a cell holding a JSON list (a code task's tests) becomes the list."""
+    """The rows of a CSV file with a header line; a cell holding a JSON list
+    (a code task's tests) becomes the list."""
     reader = csv.reader(io.StringIO(read_text(path), newline=""))
     rows, lineno = [], 1
     try:
@@ -100,10 +104,12 @@ def json_list(cell, path, lineno):
 
 
 def read_datasets(path, name):
-    """{split: rows} from a `datasets` folder (save_to_disk's or load_dataset's layout) or a hub name."""
+    """{split: rows} from a `datasets` folder
+    (save_to_disk's or load_dataset's layout) or a hub name."""
     import datasets
 
-    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                   for f in ("dataset_dict.json", "state.json")):
         loaded = datasets.load_from_disk(path)
     elif os.path.isdir(path):
         loaded = datasets.load_dataset(path, name or None)
@@ -111,13 +117,16 @@ def read_datasets(path, name):
         from preflight import hub_reachable
 
         if not hub_reachable():
-            raise DataError(f"data_path={path!r} is not a file or folder here, and the hub cannot be reached to "
-                            "fetch it as a dataset; download it on a machine with internet (datasets' save_to_disk, "
-                            "or the hub's parquet files) and point data_path at the folder")
+            raise DataError(f"data_path={path!r} is not a file or folder here, and the hub cannot "
+                            "be reached to fetch it as a dataset; download it on a machine with "
+                            "internet (datasets' save_to_disk, or the hub's parquet files) and "
+                            "point data_path at the folder")
         try:
             loaded = datasets.load_dataset(path, name or None)
-        except Exception as e:  # not on the hub, a gated dataset, a wrong data_name: say which setting
-            raise DataError(f"data_path={path!r}, data_name={name!r}: {type(e).__name__}: {e}") from None
+        except Exception as e:
+            # not on the hub, a gated dataset, a wrong data_name: say which setting
+            why = f"{type(e).__name__}: {e}"
+            raise DataError(f"data_path={path!r}, data_name={name!r}: {why}") from None
     if isinstance(loaded, datasets.Dataset):
         return {"all": [(i + 1, row) for i, row in enumerate(loaded)]}
     return {split: [(i + 1, row) for i, row in enumerate(ds)] for split, ds in loaded.items()}
@@ -132,7 +141,8 @@ def read_splits(path, name=""):
     if path.endswith(".parquet"):
         import pyarrow.parquet
 
-        return {"all": [(i + 1, row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]}
+        rows = pyarrow.parquet.read_table(path).to_pylist()
+        return {"all": [(i + 1, row) for i, row in enumerate(rows)]}
     if not os.path.isdir(path):
         return read_datasets(path, name)
     try:
@@ -153,11 +163,13 @@ def rows_of_split(splits, split):
     if "train" in splits and test:
         return splits["train" if split == "train" else test]
     rows = [r for part in splits.values() for r in part]  # one file, or a dataset with one split
-    return [(n, row) for n, row in rows if in_split(json.dumps(row, sort_keys=True, default=str), split)]
+    return [(n, row) for n, row in rows
+            if in_split(json.dumps(row, sort_keys=True, default=str), split)]
 
 
 def renamed(row, columns):
-    """The row with its columns renamed by `columns` ({old: new}); a missing old column is an error."""
+    """The row with its columns renamed by `columns` ({old: new});
+    a missing old column is an error."""
     missing = [old for old in columns if old not in row]
     if missing:
         raise DataError(f"no column {missing[0]!r} to rename (the row has {sorted(row)})")
@@ -165,7 +177,8 @@ def renamed(row, columns):
 
 
 def load_rows(path, split, n, columns, check=None, name=""):
-    """The first n problems of `split` from the dataset at `path`, renamed by `columns`, each checked by check()."""
+    """The first n problems of `split` from the dataset at `path`, renamed by `columns`,
+    each checked by check()."""
     if not os.path.exists(path) and (path.startswith((".", "/", "~")) or path.endswith(FILE_KINDS)):
         raise DataError(f"data_path={path!r} not found")
     problems = []
@@ -181,6 +194,6 @@ def load_rows(path, split, n, columns, check=None, name=""):
             raise DataError(f"{where}: {e}") from None
         problems.append(problem)
     if not problems:
-        raise DataError(f"{path}: no {split} problems (without its own test split, ~10% of rows are the test "
-                        "split; add more rows)")
+        raise DataError(f"{path}: no {split} problems (without its own test split, ~10% of rows "
+                        "are the test split; add more rows)")
     return problems

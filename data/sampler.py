@@ -39,17 +39,18 @@ class PromptSampler:
 
 
 class CurriculumSampler:
-    """D2: sample easy:medium:hard prompts 1:2:3 by their recent pass rate, the hard share ramped in.
+    """D2: sample easy:medium:hard prompts 1:2:3 by their recent pass rate,
+    the hard share ramped in.
 
     A prompt's pass rate is an exponential moving average of its groups' pass rates (weight `alpha`
     on the newest). easy: rate > easy_above; hard: rate < hard_below; medium otherwise, and a prompt
     never seen counts as medium. The hard weight grows linearly from 0 to its full value over
-    `ramp_steps` training steps (common practice: jumping straight to mostly hard prompts destabilises
-    training); a step's refills (R7) draw again at the same point of the ramp.
+    `ramp_steps` training steps (common practice: jumping straight to mostly hard prompts
+    destabilises training); a step's refills (R7) draw again at the same point of the ramp.
     """
 
-    def __init__(self, num_prompts, seed, *, easy_above=0.8, hard_below=0.2, weights=(1, 2, 3), ramp_steps=100,
-                 alpha=0.5):
+    def __init__(self, num_prompts, seed, *, easy_above=0.8, hard_below=0.2, weights=(1, 2, 3),
+                 ramp_steps=100, alpha=0.5):
         self.num_prompts, self.seed = num_prompts, seed
         self.easy_above, self.hard_below, self.weights = easy_above, hard_below, weights
         self.ramp_steps, self.alpha = ramp_steps, alpha
@@ -63,9 +64,11 @@ class CurriculumSampler:
         return 0 if rate > self.easy_above else 2  # easy or hard
 
     def sample(self, k, step):
-        """k distinct prompt indices (fewer only if there are fewer than k prompts in all) for training step
-        `step`, which sets the hard share; every call draws afresh (a refill is another call, the same step)."""
-        rng = random.Random(f"{self.seed}:{self.calls}")  # deterministic from the seed and the history
+        """k distinct prompt indices (fewer only if there are fewer than k prompts in all) for
+        training step `step`, which sets the hard share; every call draws afresh (a refill is
+        another call, the same step)."""
+        # deterministic from the seed and the history
+        rng = random.Random(f"{self.seed}:{self.calls}")
         buckets = [[], [], []]
         for i in range(self.num_prompts):
             buckets[self.bucket(i)].append(i)
@@ -73,7 +76,8 @@ class CurriculumSampler:
         weights = [self.weights[0], self.weights[1], self.weights[2] * ramp]
         out = []
         for _ in range(min(k, self.num_prompts)):
-            live = [b for b in range(3) if buckets[b] and weights[b] > 0] or [b for b in range(3) if buckets[b]]
+            live = ([b for b in range(3) if buckets[b] and weights[b] > 0]
+                    or [b for b in range(3) if buckets[b]])
             b = rng.choices(live, weights=[weights[b] or 1 for b in live])[0]
             out.append(buckets[b].pop(rng.randrange(len(buckets[b]))))
         self.calls += 1

@@ -59,10 +59,13 @@ def countdown():
     problems = countdown_problems("test", 250, seed=0)
     texts, batch = [], []
     for p in problems:
-        ramble = "Let me try " + " and ".join(f"{n} + {m}" for n in p["numbers"] for m in p["numbers"]) * 20
+        sums = " and ".join(f"{n} + {m}" for n in p["numbers"] for m in p["numbers"])
+        ramble = "Let me try " + sums * 20
+        added = "+".join(map(str, p["numbers"]))
         texts += [f"<think>{ramble[:400]}</think><answer>{p['solution']}</answer>",  # right
-                  f"<think>{ramble[:200]}</think><answer>{'+'.join(map(str, p['numbers']))}</answer>",  # often wrong
-                  f"<think>{ramble}</think><answer>{p['target']} = {p['solution']}</answer>",  # malformed
+                  f"<think>{ramble[:200]}</think><answer>{added}</answer>",  # often wrong
+                  # malformed
+                  f"<think>{ramble}</think><answer>{p['target']} = {p['solution']}</answer>",
                   ramble * 3]  # no answer, ~4 KB
         batch += [p] * 4
     lengths = [len(t) // 4 for t in texts]
@@ -72,7 +75,8 @@ def countdown():
         cfg = load_config(overrides=["--task=countdown", *overrides])
         task = load_task(cfg)
         seconds = timed(lambda: score(task, texts, batch, lengths, cfg), repeats=7)
-        print(f"countdown, {label}: 1000 completions in {seconds * 1e3:.1f} ms ({seconds * 1e6 / 1000:.1f} us each)")
+        print(f"countdown, {label}: 1000 completions in {seconds * 1e3:.1f} ms "
+              f"({seconds * 1e6 / 1000:.1f} us each)")
 
 
 def default_run_step():
@@ -164,7 +168,8 @@ def main():
     code = "<think>w</think><answer>```python\ndef add(a, b):\n    return a + b\n```</answer>"
     tests = ["assert add(1, 2) == 3", {"call": "add(2, 3)", "expected": 5}]
     code_reward(code, tests)  # the first call probes the sandbox once
-    print(f"code, sandboxed: {timed(lambda: code_reward(code, tests), 10) * 1e3:.0f} ms per completion")
+    print(f"code, sandboxed: {timed(lambda: code_reward(code, tests), 10) * 1e3:.0f} ms per "
+          "completion")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """This loop against TRL's GRPOTrainer on the same work, step time side by side in one run.
 
-    pip install --no-deps trl       # this script's own, optional dependency (trl 1.16 runs on our transformers)
-    python -m dev.bench_trl             # the default run's work: SmolLM2-135M-Instruct, fp32, the math task
+    # this script's own, optional dependency (trl 1.16 runs on our transformers)
+    pip install --no-deps trl
+    python -m dev.bench_trl             # the default run's work: SmolLM2-135M-Instruct, fp32, math
     python -m dev.bench_trl --steps 3 --dtype=bfloat16    # bf16 autocast on both sides
 
 Both sides get the same model, prompts (the task's, through the chat template), reward (the task's
 reward function), batch (prompts_per_step x group_size completions, one optimizer step per batch),
 completion length, temperature, lr and beta, with transformers generation on both (TRL's default
-use_vllm=False; ours --engine=hf); then ours again with its vLLM engine. Each side runs warmup + steps
-steps; the median of the timed steps is printed, and the ratios.
+use_vllm=False; ours --engine=hf); then ours again with its vLLM engine. Each side runs warmup +
+steps steps; the median of the timed steps is printed, and the ratios.
 """
 
 import argparse
@@ -22,7 +23,8 @@ from dev import bench
 
 
 def trl_steps(cfg, steps):
-    """Seconds of each of TRL GRPOTrainer's optimizer steps (generation, scoring, reference, update) on cfg's work."""
+    """Seconds of each of TRL GRPOTrainer's optimizer steps
+    (generation, scoring, reference, update) on cfg's work."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -56,13 +58,18 @@ def trl_steps(cfg, steps):
         args = GRPOConfig(
             output_dir=out, max_steps=steps, per_device_train_batch_size=cfg.batch_size,
             num_generations=cfg.group_size, max_completion_length=cfg.max_completion_len,
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=max(cfg.top_k, 0), learning_rate=cfg.lr,
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=max(cfg.top_k, 0),
+            learning_rate=cfg.lr,
             lr_scheduler_type="constant", beta=cfg.beta, num_iterations=1, epsilon=cfg.clip_eps,
             loss_type="dapo",  # DAPO's token mean over the batch: our loss_agg = token-mean
-            scale_rewards="group", use_cpu=not torch.cuda.is_available(), bf16=cfg.dtype == "bfloat16",
-            logging_steps=1, report_to="none", save_strategy="no", seed=cfg.seed, disable_dropout=True)
-        trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
-                              processing_class=AutoTokenizer.from_pretrained(path), callbacks=[timer])
+            scale_rewards="group", use_cpu=not torch.cuda.is_available(),
+            bf16=cfg.dtype == "bfloat16",
+            logging_steps=1, report_to="none", save_strategy="no", seed=cfg.seed,
+            disable_dropout=True)
+        trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args,
+                              train_dataset=Dataset.from_list(rows),
+                              processing_class=AutoTokenizer.from_pretrained(path),
+                              callbacks=[timer])
         trainer.train()
     return timer.seconds
 
@@ -72,7 +79,8 @@ def main():
     parser.add_argument("--config", default=None, help="a run file; default: config.py's defaults")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--sides", default="trl,hf,vllm", help="which of trl, hf (ours), vllm (ours) to run")
+    parser.add_argument("--sides", default="trl,hf,vllm",
+                        help="which of trl, hf (ours), vllm (ours) to run")
     args, overrides = parser.parse_known_args()
     cfg = config_from_argv((["--config", args.config] if args.config else []) + overrides)
     medians = {}
@@ -80,14 +88,18 @@ def main():
         if side == "trl":
             seconds = trl_steps(cfg, args.warmup + args.steps)[args.warmup:]
         else:  # grpo.py in a subprocess, eval and checkpoints off (bench.run_engine)
-            seconds = [r["time/step"] for r in bench.run_engine(side, args.config, overrides, args.steps, args.warmup)]
+            seconds = [r["time/step"] for r in bench.run_engine(side, args.config, overrides,
+                                                                args.steps, args.warmup)]
         medians[side] = statistics.median(seconds)
-        print(f"{side}: {len(seconds)} timed steps, median {medians[side]:.1f} s a step", flush=True)
+        print(f"{side}: {len(seconds)} timed steps, median {medians[side]:.1f} s a step",
+              flush=True)
     if "trl" in medians:
         for side in ("hf", "vllm"):
             if side in medians:
-                print(f"ours with the {side} engine: {medians[side] / medians['trl']:.2f}x TRL's step time")
-    print(json.dumps({"dtype": cfg.dtype, "batch": [cfg.batch_size // cfg.group_size, cfg.group_size],
+                print(f"ours with the {side} engine: {medians[side] / medians['trl']:.2f}x TRL's "
+                      "step time")
+    batch = [cfg.batch_size // cfg.group_size, cfg.group_size]
+    print(json.dumps({"dtype": cfg.dtype, "batch": batch,
                       "max_completion_len": cfg.max_completion_len, "median_step_s": medians}))
 
 

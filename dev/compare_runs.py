@@ -1,6 +1,6 @@
 """Two runs side by side: equal except times and memory, or the first differences.
 
-    python -m dev.compare_runs out/before out/after          # a fixed-seed run before and after a change
+    python -m dev.compare_runs out/before out/after  # a fixed-seed run before and after a change
     python -m dev.compare_runs out/before out/after --steps 3 --rel 1e-6
 
 A refactor keeps behaviour: with the same seed and settings every logged value of every step must
@@ -19,7 +19,8 @@ LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
 
 
 def read(path, name, steps=0):
-    """The records of one JSONL log (None if the run did not write it), the first `steps` metrics."""
+    """The records of one JSONL log (None if the run did not write it),
+    the first `steps` metrics."""
     file = os.path.join(path, name)
     if not os.path.exists(file):
         return None

@@ -4,25 +4,35 @@ Three settings, each exact (the same numbers as without it):
     keep_freed_memory     glibc keeps freed memory in the process (cpu_keep_memory)
     grouped_heads         attention takes grouped key/value heads as they are, no copies
     VLLM_CPU_BLOCK_SIZE   vLLM's KV blocks short enough to share a group's prompt
+and seed_vllm, how vLLM's CPU engine is seeded.
 """
 
+import numpy as np
 import torch
 
-# vLLM's prefix cache shares a prompt's keys and values between the G completions of its group only in
-# whole blocks; its CPU backend picks 128-token blocks, longer than many prompts (the default run's are
-# ~92 tokens), so every completion would prefill its prompt again. 32 is the CPU kernels' smallest fast
-# size. On a GPU vLLM's own choice stays.
+# vLLM's prefix cache shares a prompt's keys and values between the G completions of its group only
+# in whole blocks; its CPU backend picks 128-token blocks, longer than many prompts (the default
+# run's are ~92 tokens), so every completion would prefill its prompt again. 32 is the CPU kernels'
+# smallest fast size. On a GPU vLLM's own choice stays.
 VLLM_CPU_BLOCK_SIZE = 32
 
 
-def keep_freed_memory():
-    """On a CPU, glibc keeps freed memory in the process for the next allocation (cpu_keep_memory); True if set.
+def seed_vllm(seed):
+    """vLLM's in-process CPU engine samples from torch's global generator (numpy's is seeded too,
+    to be safe), so a call is seeded from its first row's seed: a per-request seed crashes there."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
 
-    By default each block over a threshold (32 MB at most) gets its own mapping and goes back to the kernel
-    when freed, so every micro-batch's logits, gradients and activations are faulted back in and zeroed page
-    by page (the default run's update took 40 s with it off, 32 s on, on a 2-core VM). Without mappings, and
-    with the heap's top kept, the next micro-batch reuses the same memory; the resident set then stays near
-    its peak between steps.
+
+def keep_freed_memory():
+    """On a CPU, glibc keeps freed memory in the process for the next allocation (cpu_keep_memory);
+    True if set.
+
+    By default each block over a threshold (32 MB at most) gets its own mapping and goes back to the
+    kernel when freed, so every micro-batch's logits, gradients and activations are faulted back in
+    and zeroed page by page (a fifth of the default run's update time on a 2-core VM). Without
+    mappings, and with the heap's top kept, the next micro-batch reuses the same memory; the
+    resident set then stays near its peak between steps.
     """
     import ctypes
     import ctypes.util
@@ -33,26 +43,35 @@ def keep_freed_memory():
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # malloc.h
     return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
-def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' "sdpa" attention, with grouped-query key/value heads handed to the kernel as they are.
+def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                       is_causal=None, **kwargs):
+    """transformers' "sdpa" attention,
+    with grouped-query key/value heads handed to the kernel as they are.
 
-    Given a mask (any padded batch), transformers first copies each key/value head once per query head that
-    shares it (repeat_kv), because CUDA's masked kernels lack grouped heads; PyTorch's CPU kernels have them
-    (enable_gqa). The same attention without the copies: for a decoding step of SmolLM2 (9 query heads on 3
-    key/value heads) 7x faster on a CPU. query (b, Hq, T, d), key and value (b, Hkv, S, d) -> (b, T, Hq, d).
+    Given a mask (any padded batch), transformers first copies each key/value head once per query
+    head that shares it (repeat_kv), because CUDA's masked kernels lack grouped heads; PyTorch's CPU
+    kernels have them (enable_gqa). The same attention without the copies: for a decoding step of
+    SmolLM2 (9 query heads on 3 key/value heads) 7x faster on a CPU. query (b, Hq, T, d), key and
+    value (b, Hkv, S, d) -> (b, T, Hq, d).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1:  # nothing is copied there
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    # with a mask transformers' version is exactly this call with repeated heads (is_causal False, the mask says it)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    # nothing is copied there
+    if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling,
+                                      is_causal, **kwargs)
+    # with a mask transformers' version is exactly this call with repeated heads
+    # (is_causal False, the mask says it)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value,
+                                                           attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling,
+                                                           enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
 def grouped_heads(model):
-    """A model on a CPU with transformers' sdpa attention uses sdpa_gqa_attention instead (the same masks)."""
+    """A model on a CPU with transformers' sdpa attention uses sdpa_gqa_attention instead
+    (the same masks)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

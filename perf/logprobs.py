@@ -1,13 +1,15 @@
 """Token logprobs without the (B, T, V) fp32 tensors: chunked_logprobs and fused_logprobs (L6).
 
-The plain definition is loss.token_logprobs: log_softmax(logits / T) gathered at the tokens. It keeps a
-full (B, T, V) fp32 copy alive for backward: at V = 152k and 8k tokens, 5 GB. Two exact ways around it,
-each tested against the plain one (tests/test_perf.py):
+The plain definition is loss.token_logprobs: log_softmax(logits / T) gathered at the tokens. It
+keeps a full (B, T, V) fp32 copy alive for backward: at V = 152k and 8k tokens, 5 GB. Two exact ways
+around it, each tested against the plain one (tests/test_perf.py):
 
-    chunked_sequence_logprobs  the model's logits as they are; log p and the entropy in fp32 one chunk
-                               of positions at a time, the backward recomputing each chunk's softmax
-    fused_sequence_logprobs    no logits at all: the output layer itself computes log p and the entropy
-                               from the hidden states, chunk by chunk (Liger Kernel's, Unsloth's idea)
+    chunked_sequence_logprobs  the model's logits as they are; log p and the entropy in fp32, one
+                               chunk of positions at a time, the backward recomputing each chunk's
+                               softmax
+    fused_sequence_logprobs    no logits at all: the output layer itself computes log p and the
+                               entropy from the hidden states, chunk by chunk (Liger Kernel's,
+                               Unsloth's idea)
 """
 
 import contextlib
@@ -33,18 +35,22 @@ def fused_sequence_logprobs(model, ids, temperature, **inputs):
     return out[:, :-1, 0], out[:, :-1, 1]
 
 
-# config fields of models whose logits are not just lm_head(h): softcapping (Gemma 2), a scale (Cohere, Granite)
+# config fields of models whose logits are not just lm_head(h): softcapping (Gemma 2), a scale
+# (Cohere, Granite)
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def fused_head_unsupported(model):
-    """Why the fused head (linear_logprobs_and_entropy) cannot stand in for this model's logits, or None."""
+    """Why the fused head (linear_logprobs_and_entropy) cannot stand in for this model's logits,
+    or None."""
     model = getattr(model, "module", model)  # DDP's wrapper
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
         return f"its output layer is a {type(head).__name__}, not a plain Linear"
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    transforms = [name for name in LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)]
+    config = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    transforms = [name for name in LOGIT_TRANSFORMS
+                  if getattr(config, name, None) not in (None, 1, 1.0)]
     if transforms:
         return f"its logits are transformed after the output layer ({', '.join(transforms)})"
     return None
@@ -52,7 +58,8 @@ def fused_head_unsupported(model):
 
 @contextlib.contextmanager
 def head_returns_logprobs(model, tokens, temperature):
-    """While open, the model's output layer returns (b, T, 2) [log p(tokens), entropy] instead of (b, T, V) logits.
+    """While open, the model's output layer returns (b, T, 2) [log p(tokens), entropy] instead of
+    (b, T, V) logits.
 
     The head is swapped inside the model's own forward, so FSDP2's gathered weights, DDP's hooks and
     gradient checkpointing all see an ordinary forward; only the logits are never built (loss.py).
@@ -60,7 +67,8 @@ def head_returns_logprobs(model, tokens, temperature):
     head = getattr(model, "module", model).get_output_embeddings()
 
     def logprobs(hidden):  # (b, T, H) -> (b, T, 2)
-        return torch.stack(linear_logprobs_and_entropy(hidden, head.weight, tokens, temperature, head.bias), -1)
+        return torch.stack(linear_logprobs_and_entropy(hidden, head.weight, tokens, temperature,
+                                                       head.bias), -1)
 
     head.forward = logprobs
     try:
@@ -85,7 +93,8 @@ class _LogprobsEntropy(torch.autograd.Function):
         logp = logits.new_empty(B, T, dtype=dtype)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
         for b, s in _chunks(B, T, chunk):
-            z = logits[b, s].to(dtype) / temperature  # (c, V): the only fp32 copy, one chunk at a time
+            # (c, V): the only fp32 copy, one chunk at a time
+            z = logits[b, s].to(dtype) / temperature
             lse[b, s], logp[b, s], entropy[b, s] = _softmax_stats(z, tokens[b, s])
         ctx.save_for_backward(logits, tokens, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -96,10 +105,12 @@ class _LogprobsEntropy(torch.autograd.Function):
         logits, tokens, lse, entropy = ctx.saved_tensors
         grad = torch.empty_like(logits)  # the chunks cover every position: nothing to zero first
         for b, s in _chunks(logits.shape[0], logits.shape[1], ctx.chunk):
-            log_p = logits[b, s].to(lse.dtype) / ctx.temperature - lse[b, s, None]  # (c, V), a fresh chunk
+            # (c, V), a fresh chunk
+            log_p = logits[b, s].to(lse.dtype) / ctx.temperature - lse[b, s, None]
             grad[b, s] = _softmax_grad(log_p, tokens[b, s], entropy[b, s],
                                        grad_logp[b, s] if grad_logp is not None else None,
-                                       grad_entropy[b, s] if grad_entropy is not None else None, ctx.temperature)
+                                       grad_entropy[b, s] if grad_entropy is not None else None,
+                                       ctx.temperature)
         return grad, None, None, None
 
 
@@ -129,7 +140,8 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
     chunk of positions at a time, inside forward and again inside backward, so neither the (N, V)
     logits nor their gradient ever exist whole. Forward keeps the hidden states and two (N,) fp32
     tensors; the price is one more head matmul in backward. The matmul runs in `compute_dtype` (bf16
-    under autocast, as the model's own head would), the softmax in fp32 (L6). Positions are flat (N, H).
+    under autocast, as the model's own head would), the softmax in fp32 (L6). Positions are flat
+    (N, H).
     """
 
     @staticmethod
@@ -141,7 +153,8 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
         w = weight.to(compute_dtype)
         for s in range(0, len(hidden), chunk):
             s = slice(s, s + chunk)
-            z = _head(hidden[s], w, bias, compute_dtype).to(dtype) / temperature  # (c, V), one chunk
+            # (c, V), one chunk
+            z = _head(hidden[s], w, bias, compute_dtype).to(dtype) / temperature
             lse[s], logp[s], entropy[s] = _softmax_stats(z, tokens[s])
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
@@ -153,14 +166,17 @@ class _LinearLogprobsEntropy(torch.autograd.Function):
         cd = ctx.compute_dtype
         w = weight.to(cd)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+        grad_weight = torch.zeros_like(weight,
+                                       dtype=torch.promote_types(weight.dtype, torch.float32))
         grad_bias = torch.zeros_like(grad_weight[:, 0]) if bias is not None else None
         for s in range(0, len(hidden), ctx.chunk):
             s = slice(s, s + ctx.chunk)
             h = hidden[s].to(cd)  # (c, H)
             log_p = _head(h, w, bias, cd).to(lse.dtype) / ctx.temperature - lse[s, None]  # (c, V)
-            g = _softmax_grad(log_p, tokens[s], entropy[s], grad_logp[s] if grad_logp is not None else None,
-                              grad_entropy[s] if grad_entropy is not None else None, ctx.temperature)
+            g = _softmax_grad(log_p, tokens[s], entropy[s],
+                              grad_logp[s] if grad_logp is not None else None,
+                              grad_entropy[s] if grad_entropy is not None else None,
+                              ctx.temperature)
             if bias is not None:
                 grad_bias += g.sum(0).to(grad_bias.dtype)
             g = g.to(cd)  # both products take it in the compute dtype
@@ -195,10 +211,12 @@ def _head(h, w, bias, compute_dtype):
 
 
 def _softmax_stats(z, tokens):
-    """(logsumexp, log p(token), entropy), each (c,), of one chunk of (c, V) scaled logits and its (c,) tokens.
+    """(logsumexp, log p(token), entropy), each (c,), of one chunk of (c, V) scaled logits and its
+    (c,) tokens.
 
-    z is the caller's scratch copy and is overwritten: log p is computed in its memory, so a chunk costs one
-    (c, V) buffer besides z (at V = 152k every pass over a chunk is memory traffic, not arithmetic).
+    z is the caller's scratch copy and is overwritten: log p is computed in its memory, so a chunk
+    costs one (c, V) buffer besides z (at V = 152k every pass over a chunk is memory traffic, not
+    arithmetic).
     """
     lse = torch.logsumexp(z, dim=-1)
     log_p = z.sub_(lse[:, None])  # (c, V), in z's memory
@@ -209,18 +227,20 @@ def _softmax_stats(z, tokens):
 
 
 def _softmax_grad(log_p, tokens, entropy, grad_logp, grad_entropy, temperature):
-    """d(loss)/d(logits) for logits -> z = logits / T -> (log p(token), entropy): (c, V) fp32, from the upstream
-    (c,) gradients g_k, g_H (None = zero). With d log p_k / dz = onehot(k) - p and dH / dz = -p (log p + H):
+    """d(loss)/d(logits) for logits -> z = logits / T -> (log p(token), entropy): (c, V) fp32, from
+    the upstream (c,) gradients g_k, g_H (None = zero). With d log p_k / dz = onehot(k) - p and
+    dH / dz = -p (log p + H):
 
         d(loss)/dz = onehot(k) g_k - p (g_k + g_H (log p + H)),   and d(loss)/d(logits) = that / T.
 
-    The 1/T goes on the (c,) gradients first. log_p is a scratch chunk and is overwritten, as is p: two
-    (c, V) buffers, five passes over them.
+    The 1/T goes on the (c,) gradients first. log_p is a scratch chunk and is overwritten, as is p:
+    two (c, V) buffers, five passes over them.
     """
     g_k = grad_logp / temperature if grad_logp is not None else None
     p = torch.exp(log_p)  # (c, V)
     if grad_entropy is not None:
-        inner = log_p.add_(entropy[:, None]).mul_((grad_entropy / temperature)[:, None])  # g_H (log p + H)
+        # g_H (log p + H)
+        inner = log_p.add_(entropy[:, None]).mul_((grad_entropy / temperature)[:, None])
     else:
         inner = log_p.zero_()
     if g_k is not None:
@@ -232,25 +252,29 @@ def _softmax_grad(log_p, tokens, entropy, grad_logp, grad_entropy, temperature):
 
 
 def linear_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, bias=None, chunk=None):
-    """logprobs_and_entropy(hidden @ weight.T + bias, tokens, temperature) without the logits tensor.
+    """logprobs_and_entropy(hidden @ weight.T + bias, tokens, temperature) without the logits.
 
-    hidden: (B, T, H) the model's final hidden states (after its last norm); hidden[:, t] produced tokens[:, t].
+    hidden: (B, T, H) the model's final hidden states (after its last norm);
+    hidden[:, t] produced tokens[:, t].
     weight: (V, H) the output matrix (lm_head.weight; the embedding when tied), bias (V,) or None.
     tokens: (B, T) long. chunk: positions per chunk; default: head_chunk for the device.
-    The head's matmul runs in the autocast dtype when autocast is on (bf16 logits, as the model's own head
-    would give), else in the weight's dtype; logprobs and entropy in fp32. Both differentiable in hidden,
-    weight and bias.
+    The head's matmul runs in the autocast dtype when autocast is on (bf16 logits, as the model's
+    own head would give), else in the weight's dtype; logprobs and entropy in fp32. Both
+    differentiable in hidden, weight and bias.
 
     Example: hidden [[[1, 0]]], weight [[0, 0], [ln 3, 0]], tokens [[1]] -> logprob ln(3/4), as for
     logits [[[0, ln 3]]].
     """
     device = hidden.device.type
     autocast = torch.is_autocast_enabled(device)
-    compute_dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(hidden.dtype, weight.dtype)
+    compute_dtype = (torch.get_autocast_dtype(device) if autocast
+                     else torch.promote_types(hidden.dtype, weight.dtype))
     chunk = chunk or head_chunk(device, weight.shape[0])
     B, T, H = hidden.shape
-    with torch.autocast(device, enabled=False):  # the casts are explicit, in forward and backward alike
-        logp, entropy = _LinearLogprobsEntropy.apply(hidden.reshape(B * T, H), weight, bias, tokens.reshape(B * T),
+    # the casts are explicit, in forward and backward alike
+    with torch.autocast(device, enabled=False):
+        logp, entropy = _LinearLogprobsEntropy.apply(hidden.reshape(B * T, H), weight, bias,
+                                                     tokens.reshape(B * T),
                                                      float(temperature), chunk, compute_dtype)
     return logp.view(B, T), entropy.view(B, T)
 

@@ -6,8 +6,9 @@ micro-batch into a prompt pass (each group's prompt once, its keys and values ke
 pass (every row's completion on top of its prompt's keys and values). Exact: the same attention,
 positions and tokens as the padded rows (tests/test_perf.py holds it to them).
 
-    plan_micro_batches   whole groups per micro-batch under the token budget (O3), priced as computed
-    shared_prompt_logprobs   the two passes
+    plan_micro_batches      whole groups per micro-batch under the token budget (O3), priced as
+                            computed
+    shared_prompt_logprobs  the two passes
 """
 
 import contextlib
@@ -30,9 +31,10 @@ def plan_micro_batches(lengths, prompt_lens, groups, cfg):
 
 
 def shared_prompt_cost(rows, lengths, prompt_lens, groups, runs=True):
-    """(positions computed, real tokens among them) of one micro-batch under shared_prompt: each group's prompt
-    but its last token once, (groups x longest), then every row's last prompt token + completion, each run of
-    rows of similar length (tail_runs) padded to its longest: sum of (run rows x run longest)."""
+    """(positions computed, real tokens among them) of one micro-batch under shared_prompt: each
+    group's prompt but its last token once, (groups x longest), then every row's last prompt token +
+    completion, each run of rows of similar length (tail_runs) padded to its longest: sum of (run
+    rows x run longest)."""
     prompts = {groups[i]: prompt_lens[i] - 1 for i in rows}
     tails = [lengths[i] - prompt_lens[i] + 1 for i in rows]
     completions = sum(len(run) * max(tails[r] for r in run) for run in tail_runs(tails, runs))
@@ -40,16 +42,17 @@ def shared_prompt_cost(rows, lengths, prompt_lens, groups, runs=True):
 
 
 def shared_micro_batches(lengths, prompt_lens, groups, budget, runs=True):
-    """O3 under shared_prompt: whole groups together (longest group first) while the two passes fit `budget`
-    positions (shared_prompt_cost); a group over the budget alone is split between its rows, each part
-    computing the prompt once."""
+    """O3 under shared_prompt: whole groups together (longest group first) while the two passes fit
+    `budget` positions (shared_prompt_cost); a group over the budget alone is split between its
+    rows, each part computing the prompt once."""
     members = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
     order = sorted(members.values(), key=lambda rows: -max(lengths[i] for i in rows))
     out, current = [], []
     for i in (i for rows in order for i in sorted(rows, key=lambda i: -lengths[i])):
-        if current and shared_prompt_cost(current + [i], lengths, prompt_lens, groups, runs)[0] > budget:
+        if current and shared_prompt_cost(current + [i], lengths, prompt_lens, groups,
+                                          runs)[0] > budget:
             out.append(current)
             current = []
         current.append(i)
@@ -59,20 +62,24 @@ def shared_micro_batches(lengths, prompt_lens, groups, budget, runs=True):
 def check_shared_prompts(completions, G):
     """shared_prompt computes a group's prompt once: its G rows must have the same prompt tokens."""
     for start in range(0, len(completions), G):
-        if any(c.prompt_ids != completions[start].prompt_ids for c in completions[start : start + G]):
-            raise ValueError(f"shared_prompt: the completions of group {start // G} do not share their prompt "
-                             f"tokens (an engine that rewrites prompts?); set --shared_prompt=false")
+        group = completions[start : start + G]
+        if any(c.prompt_ids != group[0].prompt_ids for c in group):
+            raise ValueError(f"shared_prompt: the completions of group {start // G} do not share "
+                             "their prompt tokens (an engine that rewrites prompts?); set "
+                             "--shared_prompt=false")
 
 
 def tail_runs_on(cfg):
-    """Whether the completion pass runs rows of similar length together (several forwards a micro-batch): only on
-    one rank, where the number of forwards may differ between micro-batches (FSDP and DDP ranks must match)."""
+    """Whether the completion pass runs rows of similar length together (several forwards a
+    micro-batch): only on one rank, where the number of forwards may differ between micro-batches
+    (FSDP and DDP ranks must match)."""
     return cfg.tail_runs and parallel.world() == 1
 
 
 class PromptCache(DynamicCache):
-    """The prompt pass's cache: each layer's keys and values, kept once (a gradient-checkpointing replay of the
-    pass runs the same layer again; what it computes is what was kept, so it keeps nothing)."""
+    """The prompt pass's cache: each layer's keys and values, kept once (a gradient-checkpointing
+    replay of the pass runs the same layer again; what it computes is what was kept, so it keeps
+    nothing)."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx < len(self.layers) and self.layers[layer_idx].is_initialized:
@@ -81,8 +88,9 @@ class PromptCache(DynamicCache):
 
 
 class SharedPromptCache(DynamicCache):
-    """The completions' cache: the keys and values of each row's prompt, read-only. A layer attends over its
-    prompt's and then its own, and nothing is stored, so a replay under gradient checkpointing sees the same."""
+    """The completions' cache: the keys and values of each row's prompt, read-only. A layer attends
+    over its prompt's and then its own, and nothing is stored, so a replay under gradient
+    checkpointing sees the same."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
@@ -114,10 +122,12 @@ def checkpoint_with_cache(model):
 
 
 def split_shared_prompts(ids, attention, prompt_lens, groups):
-    """The two passes' inputs: (n, P) each group's prompt but its last token, left-padded, and its mask; (b, C)
-    each row's last prompt token + completion, right-padded, and its mask; (b,) each row's group slot in 0..n-1."""
+    """The two passes' inputs: (n, P) each group's prompt but its last token, left-padded, and its
+    mask; (b, C) each row's last prompt token + completion, right-padded, and its mask; (b,) each
+    row's group slot in 0..n-1."""
     lengths = attention.sum(1)
-    slots, slot_of = torch.unique(groups, return_inverse=True)  # the distinct groups here; (b,) each row's
+    # the distinct groups here; (b,) each row's
+    slots, slot_of = torch.unique(groups, return_inverse=True)
     first = [int((slot_of == s).nonzero()[0]) for s in range(len(slots))]  # a row of each group
     prefix = prompt_lens[first] - 1  # (n,) tokens each group's prompt pass computes
     P, C = int(prefix.max()), int((lengths - prompt_lens + 1).max())
@@ -134,9 +144,10 @@ def split_shared_prompts(ids, attention, prompt_lens, groups):
 
 
 def tail_runs(tails, split=True):
-    """The completion pass's rows (indices into tails) in runs of similar length, each run padded only to its own
-    longest: sorted longest first, a run ends before the first row at most half as long as the run's longest, so
-    no run is more than half padding. split=False: one run of every row, in order (the pass padded to the longest)."""
+    """The completion pass's rows (indices into tails) in runs of similar length, each run padded
+    only to its own longest: sorted longest first, a run ends before the first row at most half as
+    long as the run's longest, so no run is more than half padding. split=False: one run of every
+    row, in order (the pass padded to the longest)."""
     if not split:
         return [list(range(len(tails)))]
     runs = []
@@ -148,24 +159,30 @@ def tail_runs(tails, split=True):
 
 
 def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, cfg):
-    """sequence_logprobs of right-padded rows whose groups share a prompt, computing each prompt once.
+    """sequence_logprobs of right-padded rows whose groups share a prompt,
+    computing each prompt once.
 
-    ids, attention: (b, L) prompt + completion, right-padded; prompt_lens: (b,); groups: (b,) group ids.
-    Rows with the same group id must have the same prompt. Two kinds of forward, gradients through all:
+    ids, attention: (b, L) prompt + completion, right-padded; prompt_lens: (b,); groups: (b,) group
+    ids. Rows with the same group id must have the same prompt. Two kinds of forward, gradients
+    through all:
       1. the prompt pass: each group's prompt but its last token, once: (n, P) left-padded, its keys
          and values kept (PromptCache);
-      2. the completion pass: every row's last prompt token + completion, right-padded, on top of its
-         group's keys and values (SharedPromptCache), at positions P_r - 1, P_r, ...; with runs, rows of
-         similar length together (tail_runs), one forward per run padded to that run's longest.
-    The last prompt token goes with the completions because its output predicts the first completion token.
-    Returns (logprobs, entropy), each (b, L-1), in the padded coordinates of sequence_logprobs(ids).
-    Exact: the same attention, positions and tokens as the padded forward; only each prompt's repeats go.
+      2. the completion pass: every row's last prompt token + completion, right-padded, on top of
+         its group's keys and values (SharedPromptCache), at positions P_r - 1, P_r, ...; with runs,
+         rows of similar length together (tail_runs), one forward per run padded to that run's
+         longest.
+    The last prompt token goes with the completions because its output predicts the first completion
+    token. Returns (logprobs, entropy), each (b, L-1), in the padded coordinates of
+    sequence_logprobs(ids).
+    Exact: the same attention, positions and tokens as the padded forward;
+    only each prompt's repeats go.
     cfg: the run's Config (fused_logprobs, chunked_logprobs, tail_runs). Every call makes the same
     number of forwards only without tail runs (FSDP and DDP ranks must match): tail_runs_on.
     """
     L = ids.shape[1]
     device = ids.device
-    prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of = split_shared_prompts(ids, attention, prompt_lens, groups)
+    prompt_ids, prompt_mask, rows_ids, rows_mask, slot_of = split_shared_prompts(
+        ids, attention, prompt_lens, groups)
     P = prompt_ids.shape[1]
     prompt_kv, tie = None, 0.0
     with checkpoint_with_cache(model):
@@ -176,8 +193,9 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
             # only the keys and values are wanted
             out = model(input_ids=prompt_ids, attention_mask=attend, position_ids=positions,
                         past_key_values=cache, use_cache=False, logits_to_keep=1)
-            # FSDP2 gathers a layer's weights for backward when the gradient of the layer's output arrives; the
-            # prompt's keys and values bypass the outputs, so the pass's output joins the result with weight 0
+            # FSDP2 gathers a layer's weights for backward when the gradient of the layer's output
+            # arrives; the prompt's keys and values bypass the outputs, so the pass's output joins
+            # the result with weight 0
             tie = 0.0 * out.logits.float().sum()
             prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
         tails = rows_mask.sum(1)  # (b,) each row's last prompt token + completion
@@ -186,21 +204,28 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
             C = int(tails[run].max())
             slots = slot_of[run]
             positions = (prompt_lens[run] - 1)[:, None] + torch.arange(C, device=device)  # (r, C)
-            mask = torch.cat([prompt_mask[slots], rows_mask[run, :C]], 1) if P > 0 else rows_mask[run, :C]
-            run_cache = SharedPromptCache([(k[slots], v[slots]) for k, v in prompt_kv]) if P > 0 else None
-            lp, entropy = sequence_logprobs(model, rows_ids[run, :C], temperature, cfg, attention_mask=mask,
-                                            position_ids=positions, past_key_values=run_cache, use_cache=False)
-            # (r, C-1) -> (r, L-1): completion-pass position j predicts the token at padded position P_r + j
+            mask = (torch.cat([prompt_mask[slots], rows_mask[run, :C]], 1) if P > 0
+                    else rows_mask[run, :C])
+            run_cache = (SharedPromptCache([(k[slots], v[slots]) for k, v in prompt_kv]) if P > 0
+                         else None)
+            lp, entropy = sequence_logprobs(model, rows_ids[run, :C], temperature, cfg,
+                                            attention_mask=mask,
+                                            position_ids=positions, past_key_values=run_cache,
+                                            use_cache=False)
+            # (r, C-1) -> (r, L-1): completion-pass position j predicts the token at padded
+            # position P_r + j
             cols = (prompt_lens[run] - 1)[:, None] + torch.arange(C - 1, device=device)  # (r, C-1)
             valid = rows_mask[run, 1:C].bool()
             parts.append([padded_columns(v, cols, valid, L - 1) for v in (lp + tie, entropy)])
             order += run
-    back = torch.argsort(torch.tensor(order, device=device))  # the runs' rows back in the input's order
+    # the runs' rows back in the input's order
+    back = torch.argsort(torch.tensor(order, device=device))
     return tuple(torch.cat([p[i] for p in parts])[back] for i in range(2))
 
 
 def padded_columns(values, cols, valid, width):
     """(r, C) values placed at columns cols (r, C) of (r, width) zeros; invalid positions stay 0."""
-    full = values.new_zeros(len(values), width + values.shape[1])  # room for every row's columns, cut below
+    # room for every row's columns, cut below
+    full = values.new_zeros(len(values), width + values.shape[1])
     full.scatter_(1, cols, torch.where(valid, values, 0.0))
     return full[:, :width]

@@ -1,8 +1,10 @@
-"""Your own prompts, no code: each row of a data file is a math problem or a code problem.   --task=mine.jsonl
+"""Your own prompts, no code: each row of a data file is a math problem or a code problem.
 
-    {"prompt": "How many ...?", "answer": "42"}                          # math (tasks/math.py)
-    {"question": "...", "answer": "Natalia sold ... #### 72"}            # GSM8K style: the answer after ####
-    {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3"]}   # code (tasks/code.py)
+    python grpo.py --task=mine.jsonl
+
+    {"prompt": "How many ...?", "answer": "42"}                         # math (tasks/math.py)
+    {"question": "...", "answer": "Natalia sold ... #### 72"}           # GSM8K: answer after ####
+    {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3"]}  # code (tasks/code.py)
 
 The file is .jsonl, .parquet or .csv, or a datasets folder (data/files.py); --task=FILE is shorthand
 for --task=dataset --data_path=FILE. A row with "tests" is scored as code, any other as math.
@@ -13,7 +15,8 @@ import os
 from task import import_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-math_task, code_task = import_file(os.path.join(HERE, "math.py")), import_file(os.path.join(HERE, "code.py"))
+math_task, code_task = (import_file(os.path.join(HERE, "math.py")),
+                        import_file(os.path.join(HERE, "code.py")))
 configure = math_task.configure
 
 

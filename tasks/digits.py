@@ -1,7 +1,9 @@
-"""The smoke-test task (config/tiny.py): any prompt, and the share of digits in the completion scores.
+"""The smoke-test task (config/tiny.py): any prompt, scored by the share of digits it writes.
 
-A randomly initialised 2-layer model can climb this reward within 20 steps; nothing else is learnable
-for it, so this is the task the tests train on.   --task=digits
+    python grpo.py --task=digits
+
+A randomly initialised 2-layer model can climb this reward within 20 steps; nothing else is
+learnable for it, so this is the task the tests train on.
 """
 
 import itertools

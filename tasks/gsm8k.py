@@ -1,7 +1,8 @@
-"""GSM8K-style grade-school math from a dataset: "question", and "answer" ending in "#### 42".   config/gsm8k.py
+"""GSM8K-style grade-school math from a dataset: "question", and "answer" ending in "#### 42".
 
-    python grpo.py --task=gsm8k --data_path=openai/gsm8k --data_name=main   # from the hub, when online
-    python grpo.py --task=gsm8k --data_path=data/gsm8k                      # a folder of train/test parquet files
+    python grpo.py --task=gsm8k --data_path=openai/gsm8k --data_name=main  # the hub's (online)
+    python grpo.py --task=gsm8k --data_path=data/gsm8k    # a folder of train/test parquet files
+    python grpo.py --config config/gsm8k_3b.py
 
 The problems are the dataset's rows (no problems() here: data_path supplies them); the reward judges
 the completion's final answer (its \\boxed{} or <answer>, else its last number) against what follows
@@ -13,8 +14,8 @@ from config import ConfigError
 from rewards import math_answer, math_reward, warm_math_verify
 
 PROMPT = (
-    "{question}\nThink step by step inside <think> </think> tags, then give only the final number inside "
-    "<answer> </answer> tags, for example <think> ... </think><answer>18</answer>."
+    "{question}\nThink step by step inside <think> </think> tags, then give only the final number "
+    "inside <answer> </answer> tags, for example <think> ... </think><answer>18</answer>."
 )
 
 
@@ -26,8 +27,8 @@ def configure(cfg):
     try:
         warm_math_verify()  # here, once: the reward workers forked for every batch inherit it
     except ImportError as e:
-        raise ConfigError(f"task={cfg.task}: the math verifier needs math-verify ({e}); "
-                          "pip install 'math-verify[antlr4_13_2]==0.9.0' (requirements.txt)") from None
+        raise ConfigError(f"task={cfg.task}: the math verifier needs math-verify ({e}); pip "
+                          "install 'math-verify[antlr4_13_2]==0.9.0' (requirements.txt)") from None
 
 
 def prompt(problem):
@@ -57,4 +58,5 @@ def answer(completion, problem):
 
 def check(problem):
     if not isinstance(problem.get("question"), str) or "####" not in str(problem.get("answer", "")):
-        raise ValueError('needs a "question" string and an "answer" with the final number after ####')
+        raise ValueError('needs a "question" string and an "answer" with the final number after '
+                         '####')

@@ -1,4 +1,7 @@
-"""Your own task in one file: say which of two numbers is larger.   python grpo.py --task=tasks/larger.py"""
+"""Your own task in one file: say which of two numbers is larger.
+
+    python grpo.py --task=tasks/larger.py
+"""
 
 import random
 import re
@@ -10,13 +13,15 @@ def problems(split, n, seed):
     rng, pairs = random.Random(seed), {}
     while len(pairs) < n:
         a, b = rng.sample(range(1, 1000), 2)
-        if in_split(f"larger:{min(a, b)}:{max(a, b)}", split):  # fixed, disjoint train and test problems
+        # fixed, disjoint train and test problems
+        if in_split(f"larger:{min(a, b)}:{max(a, b)}", split):
             pairs[min(a, b), max(a, b)] = {"id": f"{a} or {b}", "a": a, "b": b}
     return list(pairs.values())
 
 
 def prompt(problem):
-    return [{"role": "user", "content": f"Which is larger, {problem['a']} or {problem['b']}? Answer with the number."}]
+    question = f"Which is larger, {problem['a']} or {problem['b']}? Answer with the number."
+    return [{"role": "user", "content": question}]
 
 
 def reward(completion, problem):

@@ -1,11 +1,12 @@
 """Math word problems with exact answers (D1): the default run's task.   --task=math
 
 Generated locally (data/arith.py: addition by default, math_kinds for more); the answer is judged by
-rewards.math_reward: the last \\boxed{} or <answer>, or with math_last_number the text's last number; with
-tools on, looked for only in what the model wrote after the last tool output. Plain numbers are
-compared exactly, anything else by math-verify under the project's guards (rewards.math_equal).
-A dataset row works too (tasks/dataset.py): "question" gets this prompt's instructions, "prompt" is
-used as it is, and a GSM8K answer ("... #### 72") is judged by what follows ####.
+rewards.math_reward: the last \\boxed{} or <answer>, or with math_last_number the text's last
+number; with tools on, looked for only in what the model wrote after the last tool output. Plain
+numbers are compared exactly, anything else by math-verify under the project's guards
+(rewards.math_equal). A dataset row works too (tasks/dataset.py): "question" gets this prompt's
+instructions, "prompt" is used as it is, and a GSM8K answer ("... #### 72") is judged by what
+follows ####.
 """
 
 from config import ConfigError
@@ -24,13 +25,13 @@ SETTINGS = {}
 def configure(cfg):
     if not cfg.math_kinds or set(cfg.math_kinds) - set(KINDS):
         raise ConfigError(f"math_kinds={cfg.math_kinds}: choose from {tuple(KINDS)}")
-    SETTINGS.update(kinds=cfg.math_kinds, max_number=cfg.math_max_number, last_number=cfg.math_last_number,
-                    tools=cfg.tools)
+    SETTINGS.update(kinds=cfg.math_kinds, max_number=cfg.math_max_number,
+                    last_number=cfg.math_last_number, tools=cfg.tools)
     try:
         warm_math_verify()  # here, once: the reward workers forked for every batch inherit it
     except ImportError as e:
-        raise ConfigError(f"task={cfg.task}: the math verifier needs math-verify ({e}); "
-                          "pip install 'math-verify[antlr4_13_2]==0.9.0' (requirements.txt)") from None
+        raise ConfigError(f"task={cfg.task}: the math verifier needs math-verify ({e}); pip "
+                          "install 'math-verify[antlr4_13_2]==0.9.0' (requirements.txt)") from None
 
 
 def problems(split, n, seed):
@@ -65,7 +66,8 @@ def answer(completion, problem):
 
 
 def check(problem):
-    """A dataset row: a non-empty "prompt" or "question" string and an "answer" (a string or a number)."""
+    """A dataset row: a non-empty "prompt" or "question" string and an "answer"
+    (a string or a number)."""
     text = problem.get("prompt", problem.get("question"))
     if not isinstance(text, str) or not text.strip():
         raise ValueError('needs a non-empty string "prompt" (or "question")')

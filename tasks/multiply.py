@@ -1,9 +1,11 @@
-"""Multiplication a small model cannot do in its head, with a Python tool it can call.   --task=multiply
+"""Multiplication a small model cannot do in its head, with a Python tool it can call.
 
-The tool task (config/multiply_tools.py, tools=True): the prompt says how to call the tool, the model
-writes a ```python block, the sandbox's output comes back between <output> tags (rollout.ToolEngine),
-and the reward judges the number the model itself writes after the last output: copying the tool's
-answer is fine, leaving it in the tool's output is not.
+    python grpo.py --task=multiply
+
+The tool task (config/multiply_tools.py, tools=True): the prompt says how to call the tool, the
+model writes a ```python block, the sandbox's output comes back between <output> tags
+(rollout.ToolEngine), and the reward judges the number the model itself writes after the last
+output: copying the tool's answer is fine, leaving it in the tool's output is not.
 """
 
 import random
@@ -11,11 +13,13 @@ import random
 from data.split import in_split
 from rewards import after_tool_outputs
 
-# The tool's format is the one a small model already writes: a ```python block (config/multiply_tools.py
-# sets the tags). No concrete product in the prompt: a small model copies concrete numbers.
+# The tool's format is the one a small model already writes: a ```python block
+# (config/multiply_tools.py sets the tags). No concrete product in the prompt: a small model copies
+# concrete numbers.
 PROMPT = (
-    "What is {a} * {b}? You can run Python: write a ```python code block that prints the result, and what "
-    "it prints comes back to you between <output> and </output>. Then end with \"The answer is\" and the number."
+    "What is {a} * {b}? You can run Python: write a ```python code block that prints the result, "
+    "and what it prints comes back to you between <output> and </output>. Then end with \"The "
+    "answer is\" and the number."
 )
 
 
@@ -33,7 +37,8 @@ def prompt(problem):
 
 
 def reward(completion, problem):
-    """correct: the last number the model writes after the tool's last output (or anywhere, without one)."""
+    """correct: the last number the model writes after the tool's last output
+    (or anywhere, without one)."""
     said = answer(completion, problem)
     return {"correct": float(said is not None and int(said) == problem["answer"])}
 

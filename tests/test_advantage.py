@@ -1,4 +1,7 @@
-"""Group advantages against hand-worked numbers and a naive loop.   pytest tests/test_advantage.py"""
+"""Group advantages against hand-worked numbers and a naive loop.
+
+    pytest tests/test_advantage.py
+"""
 
 import math
 import statistics
@@ -52,9 +55,8 @@ def test_std_floor_and_zero_std_groups():
     assert group_advantages(rewards, 2).tolist() == pytest.approx([-0.005, 0.005], rel=1e-4)
     assert group_advantages(rewards, 2, zero_std_groups=True).tolist() == [0.0, 0.0]
     # a group with real spread is untouched by zero_std_groups
-    assert group_advantages(torch.tensor([0.0, 1.0]), 2, zero_std_groups=True).tolist() == pytest.approx(
-        [-1 / math.sqrt(2), 1 / math.sqrt(2)]
-    )
+    spread = group_advantages(torch.tensor([0.0, 1.0]), 2, zero_std_groups=True)
+    assert spread.tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)])
 
 
 def test_clip_after_normalising():
@@ -143,11 +145,13 @@ def test_every_baseline_and_scale_on_one_group_hand_worked():
     """The table in group_advantages' docstring, for rewards [1, 0, 0, 0]."""
     r = torch.tensor([1.0, 0, 0, 0])
     want = {("mean", "group"): [1.5, -0.5, -0.5, -0.5], ("mean", "batch"): [1.5, -0.5, -0.5, -0.5],
-            ("mean", "none"): [0.75, -0.25, -0.25, -0.25], ("leave-one-out", "group"): [2, -2 / 3, -2 / 3, -2 / 3],
+            ("mean", "none"): [0.75, -0.25, -0.25, -0.25],
+            ("leave-one-out", "group"): [2, -2 / 3, -2 / 3, -2 / 3],
             ("leave-one-out", "batch"): [2, -2 / 3, -2 / 3, -2 / 3],
             ("leave-one-out", "none"): [1, -1 / 3, -1 / 3, -1 / 3]}
     for (baseline, scale), expected in want.items():
-        assert group_advantages(r, 4, baseline=baseline, scale=scale).tolist() == pytest.approx(expected)
+        adv = group_advantages(r, 4, baseline=baseline, scale=scale)
+        assert adv.tolist() == pytest.approx(expected)
 
 
 def test_leave_one_out_against_a_naive_loop_and_it_sums_to_zero():
@@ -157,21 +161,23 @@ def test_leave_one_out_against_a_naive_loop_and_it_sums_to_zero():
     assert adv.tolist() == pytest.approx(naive_rloo(rewards.tolist(), 5), abs=1e-6)
     assert adv.view(6, 5).sum(dim=1).abs().max() < 1e-6  # RLOO advantages sum to 0 in every group
     # = the mean baseline's times G / (G - 1)
-    assert adv.tolist() == pytest.approx((group_advantages(rewards, 5, scale="none") * 5 / 4).tolist(), abs=1e-6)
+    mean_adv = group_advantages(rewards, 5, scale="none")
+    assert adv.tolist() == pytest.approx((mean_adv * 5 / 4).tolist(), abs=1e-6)
 
 
 def naive_trl_batch_scale(rewards, G):
-    """TRL GRPOTrainer's scale_rewards="batch", one completion at a time: (r - its group's mean) / (the
-    unbiased std of every reward of the batch + 1e-4)."""
+    """TRL GRPOTrainer's scale_rewards="batch", one completion at a time: (r - its group's mean) /
+    (the unbiased std of every reward of the batch + 1e-4)."""
     std = statistics.stdev(rewards)
-    return [(r - sum(rewards[i // G * G : i // G * G + G]) / G) / (std + 1e-4) for i, r in enumerate(rewards)]
+    return [(r - sum(rewards[i // G * G : i // G * G + G]) / G) / (std + 1e-4)
+            for i, r in enumerate(rewards)]
 
 
 def test_batch_scale_is_trls_std_of_the_batchs_rewards():
     rewards = torch.tensor([1.0, 0, 0, 0, 3, 1, 2, 2])
     centred = [0.75, -0.25, -0.25, -0.25, 1, -1, 0, 0]
-    # by hand: mean 9/8, squared deviations sum to 71/8, unbiased variance 71/56; the std of the centred
-    # rewards (2.75/7) would give advantages 1.8x larger
+    # by hand: mean 9/8, squared deviations sum to 71/8, unbiased variance 71/56; the std of the
+    # centred rewards (2.75/7) would give advantages 1.8x larger
     std = math.sqrt(71 / 56)
     batch = group_advantages(rewards, 4, scale="batch")
     assert batch.tolist() == pytest.approx([c / std for c in centred], abs=1e-6)
@@ -181,24 +187,30 @@ def test_batch_scale_is_trls_std_of_the_batchs_rewards():
     g = torch.Generator().manual_seed(0)
     for rewards in (torch.rand(6 * 4, generator=g), (torch.rand(5 * 8, generator=g) > 0.7).float()):
         G = 4 if len(rewards) == 24 else 8
-        ours, trl = group_advantages(rewards, G, scale="batch"), naive_trl_batch_scale(rewards.tolist(), G)
-        assert ours.tolist() == pytest.approx(trl, rel=1e-4 / statistics.stdev(rewards.tolist()) + 1e-6, abs=1e-6)
+        ours = group_advantages(rewards, G, scale="batch")
+        trl = naive_trl_batch_scale(rewards.tolist(), G)
+        rel = 1e-4 / statistics.stdev(rewards.tolist()) + 1e-6
+        assert ours.tolist() == pytest.approx(trl, rel=rel, abs=1e-6)
     # leave-one-out keeps its G / (G - 1) factor: the std is the rewards', not the advantages'
     loo = group_advantages(rewards, 8, scale="batch", baseline="leave-one-out")
-    assert loo.tolist() == pytest.approx((group_advantages(rewards, 8, scale="batch") * 8 / 7).tolist(), abs=1e-6)
+    batch = group_advantages(rewards, 8, scale="batch")
+    assert loo.tolist() == pytest.approx((batch * 8 / 7).tolist(), abs=1e-6)
 
 
 def test_batch_std_over_two_ranks_is_the_one_process_std():
-    """Under torchrun each rank holds some groups; batch_sum (parallel.all_sum) makes the std the global one."""
+    """Under torchrun each rank holds some groups; batch_sum
+    (parallel.all_sum) makes the std the global one."""
     rewards = torch.tensor([1.0, 0, 0, 0, 3, 1, 2, 2, 5, 5, 0, 1])
     one = group_advantages(rewards, 4, scale="batch", baseline="leave-one-out")
     halves = rewards[:4], rewards[4:]
-    stats = [(h.numel(), h.sum().item(), (h.double() ** 2).sum().item()) for h in halves]  # each rank's rewards
+    # each rank's rewards
+    stats = [(h.numel(), h.sum().item(), (h.double() ** 2).sum().item()) for h in halves]
     for rank in (0, 1):
         calls = iter(range(3))  # batch_std sums n, then sum, then sum of squares
 
         def all_sum(x, rank=rank, calls=calls):
             return x + stats[1 - rank][next(calls)]  # this rank's share plus the other rank's
 
-        got = group_advantages(halves[rank], 4, scale="batch", baseline="leave-one-out", batch_sum=all_sum)
+        got = group_advantages(halves[rank], 4, scale="batch", baseline="leave-one-out",
+                               batch_sum=all_sum)
         assert got.tolist() == pytest.approx(one[:4].tolist() if rank == 0 else one[4:].tolist())

@@ -25,17 +25,19 @@ def write(tmp_path, text):
 
 def test_every_setting_has_a_comment():
     source = inspect.getsource(Config).splitlines()
-    fields = [n for n in ast.parse(inspect.getsource(Config)).body[0].body if isinstance(n, ast.AnnAssign)]
+    body = ast.parse(inspect.getsource(Config)).body[0].body
+    fields = [n for n in body if isinstance(n, ast.AnnAssign)]
     assert len(fields) == len(dataclasses.fields(Config))
     for node in fields:
         line = source[node.lineno - 1]
-        assert "  # " in line and len(line.split("  # ", 1)[1]) > 10, f"no comment on: {line.strip()}"
+        comment = line.split("  # ", 1)[1] if "  # " in line else ""
+        assert len(comment) > 10, f"no comment on: {line.strip()}"
 
 
 def test_every_technique_setting_names_its_spec_id():
     # the techniques that live in config, advantage and loss
-    for tech in ["D1", "D2", "W2", "W3", "R1", "R3", "R4", "A1", "A2", "A3", "L1", "L2", "L4", "L5", "L7", "L8", "F2",
-                 "O1", "O2", "O3", "O5", "O6"]:
+    for tech in ["D1", "D2", "W2", "W3", "R1", "R3", "R4", "A1", "A2", "A3", "L1", "L2", "L4", "L5",
+                 "L7", "L8", "F2", "O1", "O2", "O3", "O5", "O6"]:
         assert f"{tech}:" in inspect.getsource(Config), tech
 
 
@@ -62,13 +64,16 @@ def test_defaults_load_and_derive():
     assert high.loss["clip_eps_high"] == 0.28 and clip_grad(high) == pytest.approx(-1.25)
     cfg = load_config(overrides=["--wrong_penalty=-0.1", "--reward_weights=brief:0.5, style:0",
                                  "--data_columns=question:prompt"])
-    assert cfg.shaping["wrong_penalty"] == -0.1 and cfg.shaping["format_weight"] == 0.1 and len(cfg.shaping) == 8
-    assert cfg.component_weights == {"brief": 0.5, "style": 0.0} and cfg.data_column_map == {"question": "prompt"}
+    assert (cfg.shaping["wrong_penalty"] == -0.1 and cfg.shaping["format_weight"] == 0.1
+            and len(cfg.shaping) == 8)
+    assert (cfg.component_weights == {"brief": 0.5, "style": 0.0}
+            and cfg.data_column_map == {"question": "prompt"})
 
 
 def test_run_file_then_overrides_apply_last(tmp_path, capsys):
     path = write(tmp_path, "import math\ngroup_size = 16\nbatch_size = 128\nlr = 1\n_scratch = 3\n")
-    cfg = load_config(path, ["--group_size=4", "--adam_betas=0.9,0.95", "--adaptive_kl=false", "--beta=0.01"])
+    cfg = load_config(path, ["--group_size=4", "--adam_betas=0.9,0.95", "--adaptive_kl=false",
+                             "--beta=0.01"])
     assert cfg.group_size == 4  # override beats the run file
     assert cfg.batch_size == 128 and cfg.prompts_per_step == 32
     assert cfg.lr == 1.0 and type(cfg.lr) is float  # an int may stand for a float
@@ -84,7 +89,8 @@ def test_run_file_then_overrides_apply_last(tmp_path, capsys):
     [("true", True), ("False", False), ("1", True), ("no", False)],
 )
 def test_bool_overrides(text, value):
-    assert load_config(overrides=[f"--gradient_checkpointing={text}"]).gradient_checkpointing is value
+    cfg = load_config(overrides=[f"--gradient_checkpointing={text}"])
+    assert cfg.gradient_checkpointing is value
 
 
 def test_unknown_keys_name_the_closest_valid_key(tmp_path):
@@ -125,7 +131,8 @@ def test_bad_run_file_types_fail_helpfully(tmp_path):
 
 
 def test_config_from_argv():
-    cfg = config.config_from_argv(["--config", os.path.join(ROOT, "config", "tiny.py"), "--max_steps=3"])
+    cfg = config.config_from_argv(["--config", os.path.join(ROOT, "config", "tiny.py"),
+                                   "--max_steps=3"])
     assert cfg.model == "tiny" and cfg.max_steps == 3
     cfg = config.config_from_argv([f"--config={os.path.join(ROOT, 'config', 'tiny.py')}"])
     assert cfg.group_size == 4
@@ -146,9 +153,11 @@ def test_config_from_argv():
         (["--beta=-0.1"], "beta=-0.1 must be in"),
         (["--beta=2"], "beta=2.0 must be in"),
         (["--adaptive_kl=true", "--beta=0"], "beta=0"),
-        (["--micro_batch_tokens=300"], r"cannot hold one prompt plus its longest completion \(256 \+ 96 = 352\)"),
+        (["--micro_batch_tokens=300"],
+         r"cannot hold one prompt plus its longest completion \(256 \+ 96 = 352\)"),
         (["--loss_agg=sum"], "choose one of"),
-        (["--gpu_memory_utilization=0.95", "--gpu_memory_utilization=1.5"], "gpu_memory_utilization"),
+        (["--gpu_memory_utilization=0.95", "--gpu_memory_utilization=1.5"],
+         "gpu_memory_utilization"),
         (["--max_steps=0"], "max_steps=0 must be >= 1"),
     ],
 )
@@ -166,14 +175,17 @@ def test_small_group_warns():
 
 
 def test_config_dir_has_no_init():
-    assert not os.path.exists(os.path.join(ROOT, "config", "__init__.py"))  # it would shadow config.py
+    # it would shadow config.py
+    assert not os.path.exists(os.path.join(ROOT, "config", "__init__.py"))
 
 
 @pytest.mark.parametrize("path", RUN_FILES, ids=os.path.basename)
 def test_every_run_file_loads_and_passes_preflight(path):
     with open(path) as f:
-        assert f.readline().startswith("# "), "a run file starts with a comment saying what it trains"
-    cfg = load_config(path, ["--device_memory_gb=80"])  # planned against an 80 GB GPU, whatever this machine has
+        first = f.readline()
+    assert first.startswith("# "), "a run file starts with a comment saying what it trains"
+    # planned against an 80 GB GPU, whatever this machine has
+    cfg = load_config(path, ["--device_memory_gb=80"])
     preflight(cfg)
     config.save_config(cfg, os.devnull)
 
@@ -184,21 +196,25 @@ def test_save_config_round_trip(tmp_path):
     cfg = load_config(os.path.join(ROOT, "config", "tiny.py"))
     config.save_config(cfg, tmp_path / "config.json")
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["model"] == "tiny" and saved["prompts_per_step"] == 4 and saved["adam_betas"] == [0.9, 0.99]
+    assert (saved["model"] == "tiny" and saved["prompts_per_step"] == 4
+            and saved["adam_betas"] == [0.9, 0.99])
 
 
 def test_ranks_must_split_the_prompts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun sets it
-    with pytest.raises(ConfigError, match="8 prompts per step .* cannot be split over 3 ranks; use batch_size=48"):
+    split = "8 prompts per step .* cannot be split over 3 ranks; use batch_size=48"
+    with pytest.raises(ConfigError, match=split):
         load_config(overrides=["--batch_size=64", "--group_size=8"])
     assert load_config(overrides=["--batch_size=48", "--group_size=8"]).prompts_per_step == 6
     with pytest.raises(ConfigError, match="ref_offload"):
         load_config(overrides=["--batch_size=48", "--ref_offload=true"])
-    assert load_config(overrides=["--batch_size=48", "--ref_offload=true", "--parallel=ddp"]).ref_offload
+    ddp = ["--batch_size=48", "--ref_offload=true", "--parallel=ddp"]
+    assert load_config(overrides=ddp).ref_offload
 
 
 def test_vllm_tensor_parallel_needs_torchrun_and_a_multiple_of_ranks(monkeypatch):
-    with pytest.raises(ConfigError, match="vllm_tensor_parallel=2 needs the vLLM engine under torchrun"):
+    with pytest.raises(ConfigError,
+                       match="vllm_tensor_parallel=2 needs the vLLM engine under torchrun"):
         load_config(overrides=["--vllm_tensor_parallel=2"])  # one process
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -209,11 +225,12 @@ def test_vllm_tensor_parallel_needs_torchrun_and_a_multiple_of_ranks(monkeypatch
         load_config(overrides=["--vllm_tensor_parallel=2", "--engine=hf"])
 
 
-# ---------------------------------------------------------------- review fixes: settings that mislead
+# ---------------------------------------------------------------- settings that mislead
 
 
 def test_ref_refresh_needs_a_reference():
-    with pytest.raises(ConfigError, match="ref_refresh_steps=5 refreshes the reference, but beta=0"):
+    with pytest.raises(ConfigError,
+                       match="ref_refresh_steps=5 refreshes the reference, but beta=0"):
         load_config(overrides=["--ref_refresh_steps=5", "--beta=0"])
     assert load_config(overrides=["--ref_refresh_steps=5", "--beta=0.01"]).ref_refresh_steps == 5
 
@@ -221,10 +238,13 @@ def test_ref_refresh_needs_a_reference():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--ratio_level=sequence", "--num_iterations=2", "--clip_eps=3e-4", "--clip_eps_high=4e-4"],
+        (["--ratio_level=sequence", "--num_iterations=2", "--clip_eps=3e-4",
+          "--clip_eps_high=4e-4"],
          "weighs each completion by its length"),
-        (["--ratio_level=sequence", "--num_iterations=2", "--loss_agg=seq-mean"], "nothing is clipped"),
-        (["--ratio_level=sequence", "--loss_agg=seq-mean", "--clip_eps=3e-4"], "equals the token-level one"),
+        (["--ratio_level=sequence", "--num_iterations=2", "--loss_agg=seq-mean"],
+         "nothing is clipped"),
+        (["--ratio_level=sequence", "--loss_agg=seq-mean", "--clip_eps=3e-4"],
+         "equals the token-level one"),
         (["--top_p=0.9"], "renormalised over the kept tokens"),
         (["--top_k=20"], "renormalised over the kept tokens"),
     ],

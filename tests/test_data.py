@@ -16,21 +16,24 @@ from rewards import countdown_reward, math_reward
 
 
 def solved(problem):
-    return countdown_reward(f"<think>known</think><answer>{problem['solution']}</answer>", problem["numbers"],
-                            problem["target"])
+    return countdown_reward(f"<think>known</think><answer>{problem['solution']}</answer>",
+                            problem["numbers"], problem["target"])
 
 
 def test_every_generated_countdown_problem_is_solvable():
     problems = countdown_problems("train", 1000, seed=0)
-    assert all(solved(p) == {"format": 1.0, "parsed": 1.0, "numbers_valid": 1.0, "correct": 1.0} for p in problems)
+    assert all(solved(p) == {"format": 1.0, "parsed": 1.0, "numbers_valid": 1.0, "correct": 1.0}
+               for p in problems)
     assert {len(p["numbers"]) for p in problems} == {3, 4}
-    assert all(1 <= p["target"] <= 100 and all(1 <= n <= 99 for n in p["numbers"]) for p in problems)
+    assert all(1 <= p["target"] <= 100
+               and all(1 <= n <= 99 for n in p["numbers"]) for p in problems)
     assert len({p["id"] for p in problems}) == 1000
 
 
 def test_countdown_difficulty_knobs():
     small = countdown_problems("train", 200, seed=1, num_counts=(3,), max_number=10, max_target=20)
-    assert all(len(p["numbers"]) == 3 and max(p["numbers"]) <= 10 and p["target"] <= 20 for p in small)
+    assert all(len(p["numbers"]) == 3 and max(p["numbers"]) <= 10
+               and p["target"] <= 20 for p in small)
     assert all(solved(p)["correct"] == 1.0 for p in small)
 
 
@@ -69,7 +72,8 @@ def test_math_problems_have_exact_answers_that_verify():
     problems = math_problems("train", 300, seed=0)
     assert {p["id"].split(":")[0] for p in problems} == {"math"}
     for p in problems:
-        assert math_reward(f"<think>w</think><answer>\\boxed{{{p['answer']}}}</answer>", p["answer"])["correct"] == 1.0
+        answer = f"<think>w</think><answer>\\boxed{{{p['answer']}}}</answer>"
+        assert math_reward(answer, p["answer"])["correct"] == 1.0
     linear = math_problems("test", 20, seed=0, kinds=("linear",))
     assert all(p["question"].startswith("Solve for x") for p in linear)
     with pytest.raises(ValueError, match="unknown math kinds"):
@@ -78,24 +82,27 @@ def test_math_problems_have_exact_answers_that_verify():
 
 
 def test_a_commuted_twin_never_crosses_the_split():
-    """a + b and b + a are one problem: keyed by the question text, 44 of the default run's 60 test sums had
-    their twin in train. Keyed by the sorted operands, none does (a test pair may appear in both orders)."""
+    """a + b and b + a are one problem: keyed by the question text, 44 of the default run's 60 test
+    sums had their twin in train. Keyed by the sorted operands, none does (a test pair may appear in
+    both orders)."""
     import re
 
     def pair(p):
         return tuple(sorted(int(x) for x in re.findall(r"\d+", p["id"])))
 
     train = math_problems("train", 500, seed=0, kinds=("add",), max_number=25)
-    test = math_problems("test", 60, seed=0, kinds=("add",), max_number=25)  # the default run's splits
+    # the default run's splits
+    test = math_problems("test", 60, seed=0, kinds=("add",), max_number=25)
     train_pairs = {pair(p) for p in train}
     assert not [p["id"] for p in test if pair(p) in train_pairs]
     assert len({p["id"] for p in test}) == 60  # enough distinct test questions remain
-    # the split key: both orders of a commuting kind give one key; other kinds keep the question (None)
+    # the split key: both orders of a commuting kind share one; other kinds keep the question (None)
     assert KINDS["add"](Draws(3, 5), 99)[2] == KINDS["add"](Draws(5, 3), 99)[2]
     assert KINDS["area"](Draws(3, 7), 99)[2] == KINDS["area"](Draws(7, 3), 99)[2]
-    assert KINDS["order_of_ops"](Draws(5, 3, 7), 99)[2] == KINDS["order_of_ops"](Draws(5, 7, 3), 99)[2]
-    assert KINDS["order_of_ops"](Draws(3, 5, 7), 99)[2] != KINDS["order_of_ops"](Draws(5, 3, 7), 99)[2]
-    assert KINDS["fractions"](Draws(1, 2, 1, 3), 99)[2] == KINDS["fractions"](Draws(1, 3, 1, 2), 99)[2]
+    order, fractions = KINDS["order_of_ops"], KINDS["fractions"]
+    assert order(Draws(5, 3, 7), 99)[2] == order(Draws(5, 7, 3), 99)[2]
+    assert order(Draws(3, 5, 7), 99)[2] != order(Draws(5, 3, 7), 99)[2]
+    assert fractions(Draws(1, 2, 1, 3), 99)[2] == fractions(Draws(1, 3, 1, 2), 99)[2]
     assert KINDS["sub"](Draws(10, 25), 99)[2] is None
 
 
@@ -173,15 +180,17 @@ def test_curriculum_is_deterministic_and_resumable():
     assert [a.sample(5, step) for step in range(3)] == [b.sample(5, step) for step in range(3)]
     c = CurriculumSampler(30, seed=0, ramp_steps=10)
     c.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    assert [a.sample(5, step) for step in range(3, 8)] == [c.sample(5, step) for step in range(3, 8)]
+    steps = range(3, 8)
+    assert [a.sample(5, step) for step in steps] == [c.sample(5, step) for step in steps]
     batch = a.sample(30, step=8)
     assert sorted(batch) == list(range(30))  # distinct within a call
 
 
 def test_curriculum_ramp_counts_training_steps_not_refill_draws():
-    """ramp_steps=10: one step that drew four times (three R7 refills) is still one step of the ramp: the hard
-    share of step 1's draws is that of a hard weight 3 * 0.1 against medium's 2 (13%), not 3 * 0.4's (38%).
-    A refill draws other prompts than the step's first draw; a resumed sampler draws the same ones."""
+    """ramp_steps=10: one step that drew four times (three R7 refills) is still one step of the
+    ramp: the hard share of step 1's draws is that of a hard weight 3 * 0.1 against medium's 2
+    (13%), not 3 * 0.4's (38%). A refill draws other prompts than the step's first draw; a resumed
+    sampler draws the same ones."""
     s = CurriculumSampler(2000, seed=0, ramp_steps=10)
     s.update(range(1000, 2000), [0.0] * 1000)  # 0-999 never seen (medium), 1000-1999 hard
     step0 = [s.sample(8, step=0) for _ in range(4)]

@@ -1,4 +1,6 @@
-"""The training loop run as a user runs it: grpo.py in a subprocess on the tiny config.   pytest tests/test_grpo.py
+"""The training loop run as a user runs it: grpo.py in a subprocess on the tiny config.
+
+    pytest tests/test_grpo.py
 
 Each vLLM run spends ~20 s starting the engine on this CPU; the loop itself is ~0.1 s a step.
 """
@@ -16,25 +18,28 @@ import torch
 
 import config
 import grpo
+import log
 import prepare
 from config import ConfigError
-from rollout import vllm_available
+from preflight import vllm_available
 from task import replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"),
                                    reason="vllm not installed")
-TRAIN_KEYS = ("reward", "acc", "loss", "grad_norm", "entropy", "response_length", "lr", "effective_group_ratio")
+TRAIN_KEYS = ("reward", "acc", "loss", "grad_norm", "entropy", "response_length", "lr",
+              "effective_group_ratio")
 
 
 def command(out_dir, *args):
-    return [sys.executable, os.path.join(ROOT, "grpo.py"), "--config", os.path.join(ROOT, "config", "tiny.py"),
-            f"--out_dir={out_dir}", *args]
+    return [sys.executable, os.path.join(ROOT, "grpo.py"), "--config",
+            os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={out_dir}", *args]
 
 
 def run(out_dir, *args, timeout=600, both=False):
     """grpo.py in a subprocess; its stdout (with both=True: stdout and stderr)."""
-    proc = subprocess.run(command(out_dir, *args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(command(out_dir, *args), capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr if both else proc.stdout
 
@@ -45,10 +50,13 @@ def read_jsonl(path):
 
 
 def run_until(out_dir, checkpoint, *args):
-    """Start grpo.py and kill -9 it as soon as `checkpoint` exists: a crash at an arbitrary moment."""
-    proc = subprocess.Popen(command(out_dir, *args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    """Start grpo.py and kill -9 it as soon as `checkpoint` exists:
+    a crash at an arbitrary moment."""
+    proc = subprocess.Popen(command(out_dir, *args), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=ROOT)
     deadline = time.time() + 300
-    while not os.path.isdir(os.path.join(out_dir, checkpoint)) and proc.poll() is None and time.time() < deadline:
+    saved = os.path.join(out_dir, checkpoint)
+    while not os.path.isdir(saved) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -58,18 +66,21 @@ def run_until(out_dir, checkpoint, *args):
 def test_smoke_run_learns_and_logs_consistently(tmp_path, engine):
     out = tmp_path / engine
     console = run(out, f"--engine={engine}", "--sample_every=1", "--sample_groups=4", both=True)
-    # one line per step: vLLM's own logging stays at warnings, and nothing harmless reads as a failure
+    # one line per step: vLLM's own logging stays at warnings,
+    # and nothing harmless reads as a failure
     assert "Failed to load weights" not in console and " INFO " not in console
-    assert "warning: step" not in console  # R2: fp32 on both sides, pushed every step: no parity warning
+    # R2: fp32 on both sides, pushed every step: no parity warning
+    assert "warning: step" not in console
     assert len([line for line in console.splitlines() if line.startswith("step ")]) == 20
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(20))
     for m in metrics:
-        for key in ("step", "reward", "loss", "kl", "entropy", "response_length", "time/generate", "time/update"):
+        for key in ("step", "reward", "loss", "kl", "entropy", "response_length", "time/generate",
+                    "time/update"):
             assert key in m
         assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
-        # the sampler's logprobs equal the trainer's on the same weights every step: the weights moved
-        # (lr 2e-2) and were pushed each time, or this gap would grow from step 1 on (R2)
+        # the sampler's logprobs equal the trainer's on the same weights every step: the weights
+        # moved (lr 2e-2) and were pushed each time, or this gap would grow from step 1 on (R2)
         assert m["sampler_logprob_diff_max"] < 1e-3
     # the logged reward is the mean of the dumped rewards, and the dump re-scores to the same values
     samples = read_jsonl(out / "samples.jsonl")
@@ -81,56 +92,74 @@ def test_smoke_run_learns_and_logs_consistently(tmp_path, engine):
     first, last = [sum(m["reward"] for m in metrics[s]) / 5 for s in (slice(0, 5), slice(15, 20))]
     assert last > first + 0.3, (first, last)
     assert "eval/pass@1_greedy" in metrics[-1] and "eval/pass@4" in metrics[-1]
-    assert os.path.isfile(out / "ckpt_000020" / "config.json") and os.path.isfile(out / "config.json")
+    assert (os.path.isfile(out / "ckpt_000020" / "config.json")
+            and os.path.isfile(out / "config.json"))
 
 
 def test_a_run_with_tool_calls_trains_only_on_the_models_tokens_and_logs_the_tools(tmp_path):
-    """The tiny model never writes <python>; with ' ' and 'e' as the tags nearly every completion calls the
-    sandbox (with garbage: mostly errors), its output is appended, masked out of the loss, and logged."""
+    """The tiny model never writes <python>; with ' ' and 'e' as the tags nearly every completion
+    calls the sandbox (with garbage: mostly errors), its output is appended, masked out of the loss,
+    and logged."""
     out = tmp_path / "tools"
     run(out, "--tools=true", "--tool_open= ", "--tool_close=e", "--max_steps=3", "--sample_every=1",
         "--tool_error_penalty=0.1", "--eval_every=0")
     metrics = read_jsonl(out / "metrics.jsonl")
     assert len(metrics) == 3
     for m in metrics:
-        assert m["tools/calls_per_completion"] > 0.5 and m["tools/share_using"] > 0.5 and m["tools/output_tokens"] > 0
+        assert (m["tools/calls_per_completion"] > 0.5 and m["tools/share_using"] > 0.5
+                and m["tools/output_tokens"] > 0)
         assert m["tools/error_rate"] > 0.5 and m["time/tools"] > 0 and math.isfinite(m["loss"])
-        assert m["sampler_logprob_diff_max"] < 1e-3  # over the model's tokens: the tool's have no sampler logprob
+        # over the model's tokens: the tool's have no sampler logprob
+        assert m["sampler_logprob_diff_max"] < 1e-3
     assert "eval/tools/share_using" in metrics[-1]
     samples = read_jsonl(out / "samples.jsonl")
     called = [s for s in samples if len(s["turns"]) > 1]
-    for s in called:  # the tool's turn is its output block, closed even where the token budget cut it
+    # the tool's turn is its output block, closed even where the token budget cut it
+    for s in called:
         role, text = s["turns"][1]
-        assert role == "tool" and text.startswith("\n<output>\n") and text.endswith("\n</output>\n"), text
-    assert all("".join(text for _, text in s["turns"]).endswith(s["completion"][-3:]) for s in called)
+        assert role == "tool", role
+        assert text.startswith("\n<output>\n") and text.endswith("\n</output>\n"), text
+    assert all("".join(text for _, text in s["turns"]).endswith(s["completion"][-3:])
+               for s in called)
     # the penalty: each failed call costs 0.1 of a reward that is the share of digits (at most 1)
     assert any(s["reward"] < 0 for s in called)
-    assert replay(str(out / "samples.jsonl")) == 0  # the dumped rewards, penalty included, re-score alike
+    # the dumped rewards, penalty included, re-score alike
+    assert replay(str(out / "samples.jsonl")) == 0
 
 
 @requires_vllm
 def test_resume_gives_the_same_run(tmp_path):
-    """4 steps straight vs killed after the step-2 checkpoint + resumed: same prompts, same metrics."""
-    common = ["--engine=vllm", "--max_steps=4", "--save_every=2", "--sample_every=1", "--sample_groups=4"]
+    """4 steps straight vs killed after the step-2 checkpoint + resumed: same prompts,
+    same metrics."""
+    common = ["--engine=vllm", "--max_steps=4", "--save_every=2", "--sample_every=1",
+              "--sample_groups=4"]
     run(tmp_path / "straight", *common)
     run_until(tmp_path / "resumed", "ckpt_000002", *common)
     assert not os.path.exists(tmp_path / "resumed" / "ckpt_000004")
     stdout = run(tmp_path / "resumed", *common, "--resume=true")
     assert "resumed from" in stdout and "at step 2" in stdout
-    a, b = read_jsonl(tmp_path / "straight" / "metrics.jsonl"), read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    a, b = (read_jsonl(tmp_path / "straight" / "metrics.jsonl"),
+            read_jsonl(tmp_path / "resumed" / "metrics.jsonl"))
     assert [m["step"] for m in b] == [0, 1, 2, 3]
     for ma, mb in zip(a, b):
         for key in TRAIN_KEYS:
             assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), (ma["step"], key)
-    prompts = lambda path: [(s["step"], s["problem"]["id"], s["completion"]) for s in read_jsonl(path)]  # noqa: E731
-    assert prompts(tmp_path / "straight" / "samples.jsonl") == prompts(tmp_path / "resumed" / "samples.jsonl")
+
+    def prompts(run):
+        return [(s["step"], s["problem"]["id"], s["completion"])
+                for s in read_jsonl(tmp_path / run / "samples.jsonl")]
+
+    assert prompts("straight") == prompts("resumed")
     run_ids = [json.load(open(tmp_path / d / c / "trainer_state.json"))["run_id"]
-               for d, c in (("resumed", "ckpt_000002"), ("resumed", "ckpt_000004"), ("straight", "ckpt_000004"))]
-    assert run_ids[0] == run_ids[1] != run_ids[2]  # a resumed run keeps its wandb run id; another run has its own
+               for d, c in (("resumed", "ckpt_000002"), ("resumed", "ckpt_000004"),
+                            ("straight", "ckpt_000004"))]
+    # a resumed run keeps its wandb run id; another run has its own
+    assert run_ids[0] == run_ids[1] != run_ids[2]
 
 
 def test_kill_at_any_moment_then_resume(tmp_path):
-    """kill -9 twice (once while checkpoints are being written every step), then finish: nothing lost or doubled."""
+    """kill -9 twice (once while checkpoints are being written every step), then finish:
+    nothing lost or doubled."""
     common = ["--engine=hf", "--max_steps=12", "--save_every=1", "--sample_every=1"]
     run_until(tmp_path, "ckpt_000003", *common)
     os.makedirs(tmp_path / ".tmp_ckpt_000099")  # what a kill during a save leaves behind
@@ -139,8 +168,10 @@ def test_kill_at_any_moment_then_resume(tmp_path):
     run(tmp_path, *common, "--resume=true")
     steps = [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
     assert steps == list(range(12))
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp_ckpt")]  # the half-written save is gone
-    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("ckpt_")) == ["ckpt_000011", "ckpt_000012"]
+    # the half-written save is gone
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp_ckpt")]
+    kept = sorted(p for p in os.listdir(tmp_path) if p.startswith("ckpt_"))
+    assert kept == ["ckpt_000011", "ckpt_000012"]
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt_000012")  # a complete, loadable HF folder
@@ -226,15 +257,18 @@ def test_a_run_owns_its_out_dir(tmp_path):
 def test_lora_reference_is_the_base_and_only_adapters_train(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    policy = grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
+    policy = grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"),
+                        f"--out_dir={tmp_path}", "--engine=hf",
                         "--lora_rank=4", "--beta=0.01", "--max_steps=3", "--lr=5e-2"])
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny_model", dtype=torch.float32)
     trained = dict(policy.named_parameters())
     for name, weight in base.named_parameters():  # every base weight untouched
         key = "base_model.model." + name.replace(".weight", ".base_layer.weight")
         assert torch.equal(trained.get(key, trained.get("base_model.model." + name)), weight), name
-    assert any(v.abs().sum() > 0 for k, v in trained.items() if "lora_B" in k)  # B starts at 0: it moved
-    ids, fp32 = torch.tensor([[5, 17, 42, 99, 7, 3, 11]]), grpo.config_from_argv(["--dtype=float32"])
+    # B starts at 0: it moved
+    assert any(v.abs().sum() > 0 for k, v in trained.items() if "lora_B" in k)
+    ids, fp32 = (torch.tensor([[5, 17, 42, 99, 7, 3, 11]]),
+                 grpo.config_from_argv(["--dtype=float32"]))
     with torch.no_grad(), policy.disable_adapter():
         ref_lp = grpo.forward_logprobs(policy, ids, torch.ones_like(ids), fp32, 1.0)[0]
     base_lp = grpo.forward_logprobs(base, ids, torch.ones_like(ids), fp32, 1.0)[0]
@@ -250,15 +284,20 @@ def test_lora_reference_is_the_base_and_only_adapters_train(tmp_path):
 def test_bad_input_fails_before_any_model_loads(tmp_path):
     with pytest.raises(ConfigError, match="model folder /nonexistent/model not found"):
         grpo.main([f"--out_dir={tmp_path}", "--model=/nonexistent/model"])
-    proc = subprocess.run([sys.executable, "grpo.py", "--batch_size=30"], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 1 and "config error: batch_size=30 is not divisible by group_size=8" in proc.stderr
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')  # an earlier run's log: a fresh run would append to it
-    with pytest.raises(ConfigError, match="already holds a run .* --resume=true, or give this run another --out_dir"):
+    proc = subprocess.run([sys.executable, "grpo.py", "--batch_size=30"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert (proc.returncode == 1
+            and "config error: batch_size=30 is not divisible by group_size=8" in proc.stderr)
+    # an earlier run's log: a fresh run would append to it
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(ConfigError, match="already holds a run .* --resume=true, or give this run "
+                                          "another --out_dir"):
         grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}"])
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'
     (tmp_path / "metrics.jsonl").unlink()
     with pytest.raises(ConfigError, match="> max_prompt_len=8"):
-        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
+        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
+                   "--engine=hf",
                    "--max_prompt_len=8", "--max_completion_len=8", "--micro_batch_tokens=64"])
 
 
@@ -268,7 +307,8 @@ def test_micro_batches_respect_the_token_budget():
     assert sorted(i for b in batches for i in b) == list(range(7))
     assert all(len(b) * max(lengths[i] for i in b) <= 100 for b in batches)
     assert batches[0] == [1, 6]  # longest first: 2 x 50 fits, a third would not
-    assert grpo.micro_batches([300], 100) == [[0]]  # one sequence is never split (pre-flight keeps it within budget)
+    # one sequence is never split (pre-flight keeps it within budget)
+    assert grpo.micro_batches([300], 100) == [[0]]
 
 
 def test_pad_batch_masks_only_response_tokens():
@@ -279,14 +319,16 @@ def test_pad_batch_masks_only_response_tokens():
     ids, attention, mask, lp = grpo.pad_batch([a, b], pad_id=0)
     assert ids.tolist() == [[1, 2, 3, 4, 5], [1, 6, 7, 8, 0]]
     assert attention.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
-    # position t predicts ids[:, t + 1]: a's response tokens 4, 5 sit at t = 2, 3; b's 6, 7, 8 at t = 0, 1, 2
+    # position t predicts ids[:, t + 1]: a's response tokens 4, 5 sit at t = 2, 3; b's 6, 7,
+    # 8 at t = 0, 1, 2
     assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
     assert lp.tolist() == [[0, 0, -0.5, -0.25], [-1.0, -2.0, -3.0, 0]]
 
 
 def test_every_loop_toggle_runs_and_shows_its_effect(tmp_path):
     """One run with the loop-level toggles on, each checked for the effect it should have."""
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
+               "--engine=hf",
                "--max_steps=6", "--num_iterations=2",  # L7: a second epoch sees ratios != 1
                "--temperature=1.0", "--temperature_end=0.5",  # R4
                # F2: KL > high -> x 1.2
@@ -306,27 +348,32 @@ def test_every_loop_toggle_runs_and_shows_its_effect(tmp_path):
             assert m["approx_kl_old"] > 0 and m["grad_norm"] > 0
     assert any(m["truncated"] < 1.0 for m in metrics)
     assert [round(m["temperature"], 6) for m in metrics] == [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
-    assert [m["beta"] for m in metrics][:3] == [0.01, 0.01, pytest.approx(0.012)]  # scaled after 2 steps
-    # R7: the log counts every group drawn (the first draw and the refills); the update, the kept ones only
+    # scaled after 2 steps
+    assert [m["beta"] for m in metrics][:3] == [0.01, 0.01, pytest.approx(0.012)]
+    # R7: the log counts every group drawn (the first draw and the refills); the update,
+    # the kept ones only
     for m in metrics:
-        informative = round(m["effective_group_ratio"] * m["drawn/prompts"])  # groups with a reward spread
+        # groups with a reward spread
+        informative = round(m["effective_group_ratio"] * m["drawn/prompts"])
         # each refill round draws the groups still missing: 1 to 4 of them
         assert 4 + m["refill_rounds"] <= m["drawn/prompts"] <= 4 * (1 + m["refill_rounds"])
         assert m["kept/prompts"] == min(4, informative)
     with open(tmp_path / "ckpt_000006" / "trainer_state.json") as f:
         state = json.load(f)
-    assert state["sampler"]["calls"] >= 6 and state["sampler"]["pass_rate"]  # D2 state in the checkpoint
-    # F1: the reference was refreshed after the last step (every 3), so it equals the saved policy; and the
-    # policy had moved off the base (a KL > 0), so the reference is no longer the base model
+    # D2 state in the checkpoint
+    assert state["sampler"]["calls"] >= 6 and state["sampler"]["pass_rate"]
+    # F1: the reference was refreshed after the last step (every 3), so it equals the saved policy;
+    # and the policy had moved off the base (a KL > 0), so the reference is no longer the base model
     from safetensors.torch import load_file
 
     ref = torch.load(tmp_path / "ckpt_000006" / "reference.pt")
     policy = load_file(tmp_path / "ckpt_000006" / "model.safetensors")
     assert all(torch.equal(ref[k], policy[k]) for k in policy) and any(m["kl"] > 0 for m in metrics)
-    # W3: every completion past 8 tokens lost at least 0.05, so no reward reaches the unshaped maximum
+    # W3: every completion past 8 tokens lost at least 0.05,
+    # so no reward reaches the unshaped maximum
     samples = read_jsonl(tmp_path / "samples.jsonl")
-    assert all(s["reward"] <= s["components"]["correct"] + 0.2 * s["components"]["format"] - 0.05 * (s["length"] > 8)
-               + 1e-6 for s in samples)
+    assert all(s["reward"] <= s["components"]["correct"] + 0.2 * s["components"]["format"]
+               - 0.05 * (s["length"] > 8) + 1e-6 for s in samples)
 
 
 def test_nonfinite_step_is_skipped_and_leaves_weights_alone():
@@ -334,9 +381,11 @@ def test_nonfinite_step_is_skipped_and_leaves_weights_alone():
     optimizer = torch.optim.AdamW([w], lr=0.1)
     w.grad = torch.tensor([1.0, float("nan"), 1.0])
     norm, stepped = grpo.optimizer_step(optimizer, [w], 0.5, grad_clip=1.0)
-    assert not stepped and not math.isfinite(norm.item()) and w.tolist() == [1.0, 1.0, 1.0] and w.grad is None
+    assert (not stepped and not math.isfinite(norm.item()) and w.tolist() == [1.0, 1.0, 1.0]
+            and w.grad is None)
     w.grad = torch.tensor([3.0, 4.0, 0.0])
-    _, stepped = grpo.optimizer_step(optimizer, [w], float("inf"), grad_clip=1.0)  # a non-finite loss
+    # a non-finite loss
+    _, stepped = grpo.optimizer_step(optimizer, [w], float("inf"), grad_clip=1.0)
     assert not stepped and w.tolist() == [1.0, 1.0, 1.0]
     w.grad = torch.tensor([3.0, 4.0, 0.0])
     norm, stepped = grpo.optimizer_step(optimizer, [w], 0.5, grad_clip=1.0)
@@ -364,20 +413,25 @@ class Recorder:
 
 @requires_vllm
 def test_engine_handoff_order_over_two_steps(tmp_path):
-    """R1: wake weights -> push -> wake KV -> reset prefix cache -> generate -> sleep, every step."""
+    """R1: wake weights -> push -> wake KV -> reset prefix cache -> generate -> sleep,
+    every step."""
     log = []
 
     def record(engine):
-        engine.sleep_level = 2  # run the GPU code path; the CPU worker accepts sleep calls and ignores them
+        # run the GPU code path; the CPU worker accepts sleep calls and ignores them
+        engine.sleep_level = 2
         engine.llm = Recorder(engine.llm, log)
         return engine
 
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=vllm",
-               "--max_steps=2", "--eval_every=0"], wrap_engine=record)
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
+               "--engine=vllm", "--max_steps=2", "--eval_every=0"], wrap_engine=record)
     push = "collective_rpc"  # reload_weights with the trainer's tensors, never a path on disk
-    step0 = [push, "reset_prefix_cache", "generate", "sleep2"]  # awake after start-up: nothing to wake
-    step = ["wake_up['weights']", push, "wake_up['kv_cache']", "reset_prefix_cache", "generate", "sleep2"]
-    final_eval = ["wake_up['weights']", push, "wake_up['kv_cache']", "reset_prefix_cache", "generate", "generate"]
+    # awake after start-up: nothing to wake
+    step0 = [push, "reset_prefix_cache", "generate", "sleep2"]
+    step = ["wake_up['weights']", push, "wake_up['kv_cache']", "reset_prefix_cache", "generate",
+            "sleep2"]
+    final_eval = ["wake_up['weights']", push, "wake_up['kv_cache']", "reset_prefix_cache",
+                  "generate", "generate"]
     assert log == step0 + step + final_eval
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert all(m["sampler_logprob_diff_max"] < 1e-3 for m in metrics)
@@ -397,8 +451,8 @@ def test_a_skipped_push_is_caught_by_the_parity_metric(tmp_path, capsys):
         engine.wake = wake
         return engine
 
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=vllm",
-               "--max_steps=3", "--eval_every=0"], wrap_engine=skip_second_push)
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
+               "--engine=vllm", "--max_steps=3", "--eval_every=0"], wrap_engine=skip_second_push)
     gaps = [m["sampler_logprob_diff_mean"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
     assert gaps[0] < 1e-5 and gaps[2] < 1e-5  # pushed: the sampler has the trainer's weights
     assert gaps[1] > 1e-3  # step 1 sampled with step 0's weights
@@ -406,21 +460,22 @@ def test_a_skipped_push_is_caught_by_the_parity_metric(tmp_path, capsys):
 
 
 def test_dynamic_sampling_logs_and_feeds_every_group_drawn(tmp_path):
-    """R7 on a task nothing solves: every group is all-wrong, so every one is dropped. The log and the
-    curriculum must still see them (DAPO and verl log the statistics before the filter)."""
+    """R7 on a task nothing solves: every group is all-wrong, so every one is dropped. The log and
+    the curriculum must still see them (DAPO and verl log the statistics before the filter)."""
     never = tmp_path / "never.py"  # a reward of 0 whatever is sampled: no group has a spread
     never.write_text("def problems(split, n, seed):\n"
                      "    return [{'id': f'{split}{i}', 'q': str(i)} for i in range(n)]\n"
                      "def prompt(p):\n    return [{'role': 'user', 'content': 'Say ' + p['q']}]\n"
                      "def reward(completion, problem):\n    return {'correct': 0.0}\n")
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
-               f"--task={never}", "--max_prompt_len=160", "--micro_batch_tokens=256", "--max_steps=2", "--eval_every=0",
-               "--dynamic_sampling=true",
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
+               "--engine=hf", f"--task={never}", "--max_prompt_len=160", "--micro_batch_tokens=256",
+               "--max_steps=2", "--eval_every=0", "--dynamic_sampling=true",
                "--dynamic_sampling_rounds=1", "--curriculum=true"])
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1]  # a step without an update is still logged
     for m in metrics:
-        assert m["frac_reward_zero_std"] == 1.0 and m["effective_group_ratio"] == 0.0 and m["acc"] == 0.0
+        assert (m["frac_reward_zero_std"] == 1.0 and m["effective_group_ratio"] == 0.0
+                and m["acc"] == 0.0)
         assert m["drawn/prompts"] == 8 and m["kept/prompts"] == 0 and m["skipped_updates"] == 1
     with open(tmp_path / "ckpt_000002" / "trainer_state.json") as f:
         pass_rate = json.load(f)["sampler"]["pass_rate"]
@@ -428,12 +483,13 @@ def test_dynamic_sampling_logs_and_feeds_every_group_drawn(tmp_path):
     assert len(pass_rate) >= 12 and set(pass_rate.values()) == {0.0}
 
 
-@pytest.mark.parametrize("level, mode", [("token", "truncate"), ("token", "mask"), ("sequence", "truncate"),
-                                         ("sequence", "mask")])
+@pytest.mark.parametrize("level, mode", [("token", "truncate"), ("token", "mask"),
+                                         ("sequence", "truncate"), ("sequence", "mask")])
 def test_each_is_correction_mode_trains(tmp_path, level, mode):
-    """R2: the HF engine samples from the trainer's own distribution, so rho = 1 up to float noise: every weight
-    is ~1 and nothing is limited, in each mode; the loop runs and logs the weights."""
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
+    """R2: the HF engine samples from the trainer's own distribution, so rho = 1 up to float noise:
+    every weight is ~1 and nothing is limited, in each mode; the loop runs and logs the weights."""
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
+               "--engine=hf",
                "--max_steps=2", "--eval_every=0", f"--is_correction={level}", f"--is_mode={mode}"])
     for m in read_jsonl(tmp_path / "metrics.jsonl"):
         assert m["is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and m["is_limited_frac"] == 0.0
@@ -442,8 +498,8 @@ def test_each_is_correction_mode_trains(tmp_path, level, mode):
 
 def test_ref_refresh_without_a_reference_fails_in_preflight(tmp_path):
     with pytest.raises(ConfigError, match="beta=0 means there is none"):
-        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
-                   "--ref_refresh_steps=2"])  # tiny.py has beta = 0
+        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
+                   "--engine=hf", "--ref_refresh_steps=2"])  # tiny.py has beta = 0
     assert not os.path.exists(tmp_path / "tiny_model")  # nothing was built
 
 
@@ -461,8 +517,9 @@ def test_a_gpu_run_on_a_cpu_fails_before_anything_loads(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_temperature_mismatch_is_caught_by_the_parity_metric(tmp_path, capsys, dtype):
-    """R2/R5: an engine that samples at another temperature than the trainer assumes trips the warning, in
-    either dtype (the bf16 threshold sits above bf16 rounding, not above real faults)."""
+    """R2/R5: an engine that samples at another temperature than the trainer assumes trips the
+    warning, in either dtype (the bf16 threshold sits above bf16 rounding, not above real
+    faults)."""
     def hotter(engine):
         real = engine.generate
 
@@ -472,50 +529,59 @@ def test_a_temperature_mismatch_is_caught_by_the_parity_metric(tmp_path, capsys,
         engine.generate = generate
         return engine
 
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=hf",
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
+               "--engine=hf",
                "--max_steps=3", "--eval_every=0", f"--dtype={dtype}"], wrap_engine=hotter)
     gaps = [m["sampler_logprob_diff_mean"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
-    # the random tiny model starts near uniform, where temperature changes little; it sharpens within steps
+    # the random tiny model starts near uniform, where temperature changes little;
+    # it sharpens within steps
     assert max(gaps) > config.PARITY_WARN[dtype], gaps
     assert "sampler vs trainer logprob gap" in capsys.readouterr().out
 
 
 @requires_vllm
 def test_bf16_rounding_alone_does_not_warn(tmp_path, capsys):
-    """R2: a bf16 sampler beside the fp32-master trainer differs by rounding only: far above fp32's ~2e-7 (measured
-    6e-4..1.1e-3 on the tiny model), far below the bf16 bound, so a run with nothing wrong does not warn."""
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", "--engine=vllm",
-               "--max_steps=3", "--eval_every=0", "--dtype=bfloat16"])
+    """R2: a bf16 sampler beside the fp32-master trainer differs by rounding only: far above fp32's
+    ~2e-7 (measured 6e-4..1.1e-3 on the tiny model), far below the bf16 bound, so a run with nothing
+    wrong does not warn."""
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
+               "--engine=vllm", "--max_steps=3", "--eval_every=0", "--dtype=bfloat16"])
     gaps = [m["sampler_logprob_diff_mean"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
     assert all(1e-4 < g < config.PARITY_WARN["bfloat16"] for g in gaps), gaps
     assert "warning: step" not in capsys.readouterr().out
 
 
-# ---------------------------------------------------------------- the loss and advantage variants in the loop
+# ------------------------------------------------------ the loss and advantage variants in the loop
 
-VARIANT_RUN = ["--engine=hf", "--max_steps=2", "--eval_every=0", "--num_iterations=2", "--beta=0.01",
-               "--sample_every=1", "--sample_groups=4"]  # two epochs: the ratio leaves 1, so the variants differ
+# two epochs: the ratio leaves 1, so the variants differ
+VARIANT_RUN = ["--engine=hf", "--max_steps=2", "--eval_every=0", "--num_iterations=2",
+               "--beta=0.01", "--sample_every=1", "--sample_groups=4"]
 
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("plain")
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={out}", *VARIANT_RUN])
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={out}",
+               *VARIANT_RUN])
     return read_jsonl(out / "metrics.jsonl")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [["--adv_baseline=leave-one-out"], ["--adv_scale=batch"], ["--policy_loss=cispo"],
+@pytest.mark.parametrize("variant", [["--adv_baseline=leave-one-out"], ["--adv_scale=batch"],
+                                     ["--policy_loss=cispo"],
                                      ["--policy_loss=sapo", "--sapo_tau_pos=2", "--sapo_tau_neg=3"],
-                                     ["--policy_loss=gpg"], ["--dual_clip=1.05"], ["--kl_estimator=k1"],
-                                     ["--kl_estimator=k2"], ["--mini_batches=2", "--num_iterations=1"],
+                                     ["--policy_loss=gpg"], ["--dual_clip=1.05"],
+                                     ["--kl_estimator=k1"], ["--kl_estimator=k2"],
+                                     ["--mini_batches=2", "--num_iterations=1"],
                                      ["--entropy_top_quantile=0.2"]],
                          ids=lambda v: ",".join(x[2:] for x in v))
 def test_each_loss_and_advantage_variant_trains_and_shows_its_effect(tmp_path, plain_run, variant):
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}", *VARIANT_RUN, *variant])
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
+               *VARIANT_RUN, *variant])
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in metrics)
-    assert metrics[0]["reward"] == plain_run[0]["reward"]  # step 0 samples before any update: the same groups
+    # step 0 samples before any update: the same groups
+    assert metrics[0]["reward"] == plain_run[0]["reward"]
     name, value = variant[0][2:].split("=")
     groups = [s for s in read_jsonl(tmp_path / "samples.jsonl") if s["step"] == 0]
     groups = [groups[i : i + 4] for i in range(0, len(groups), 4)]  # G = 4
@@ -523,33 +589,46 @@ def test_each_loss_and_advantage_variant_trains_and_shows_its_effect(tmp_path, p
         for g in groups:
             r = [s["reward"] for s in g]
             std = max(torch.tensor(r).std().item(), 1e-4)
-            assert [s["advantage"] for s in g] == pytest.approx([4 / 3 * (x - sum(r) / 4) / std for x in r], abs=1e-5)
-    elif name == "adv_scale":  # TRL's "batch": centred reward / the std of all the batch's rewards (all dumped)
+            want = [4 / 3 * (x - sum(r) / 4) / std for x in r]
+            assert [s["advantage"] for s in g] == pytest.approx(want, abs=1e-5)
+    elif name == "adv_scale":
+        # TRL's "batch": centred reward / the std of all the batch's rewards (all dumped)
         std = torch.tensor([s["reward"] for g in groups for s in g]).std().item()
         for g in groups:
             r = [s["reward"] for s in g]
-            assert [s["advantage"] for s in g] == pytest.approx([(x - sum(r) / 4) / std for x in r], abs=1e-5)
+            want = [(x - sum(r) / 4) / std for x in r]
+            assert [s["advantage"] for s in g] == pytest.approx(want, abs=1e-5)
     elif name == "policy_loss":
         assert metrics[0]["loss"] != pytest.approx(plain_run[0]["loss"], abs=1e-6)
-    elif name == "dual_clip":  # a bound just above 1 meets some bad tokens whose ratio rose in the second epoch
+    elif name == "dual_clip":
+        # a bound just above 1 meets some bad tokens whose ratio rose in the second epoch
         assert all(0 < m["dual_clip_frac"] < 0.5 for m in metrics)
         assert metrics[0]["loss"] != pytest.approx(plain_run[0]["loss"], abs=1e-6)
-    elif name == "kl_estimator":  # the same tokens and weights at step 0, another estimate of their KL
+    elif name == "kl_estimator":
+        # the same tokens and weights at step 0, another estimate of their KL
         assert metrics[0]["kl"] != pytest.approx(plain_run[0]["kl"], abs=1e-9)
-    elif name == "mini_batches":  # one epoch, 2 steps: the second mini-batch meets a policy the first one moved
-        assert all(m["optimizer_steps"] == 2 for m in metrics) and plain_run[0]["optimizer_steps"] == 2
-        assert all(m["approx_kl_old"] > 0 for m in metrics)  # with one step per batch it is exactly 0
-    elif name == "entropy_top_quantile":  # the policy gradient reaches the top 20% of tokens by entropy
-        assert all(0.2 <= m["pg_token_frac"] < 0.3 for m in metrics) and "pg_token_frac" not in plain_run[0]
+    elif name == "mini_batches":
+        # one epoch, 2 steps: the second mini-batch meets a policy the first one moved
+        assert (all(m["optimizer_steps"] == 2 for m in metrics)
+                and plain_run[0]["optimizer_steps"] == 2)
+        # with one step per batch it is exactly 0
+        assert all(m["approx_kl_old"] > 0 for m in metrics)
+    elif name == "entropy_top_quantile":
+        # the policy gradient reaches the top 20% of tokens by entropy
+        assert (all(0.2 <= m["pg_token_frac"] < 0.3 for m in metrics)
+                and "pg_token_frac" not in plain_run[0])
 
 
 def test_mini_batches_split_by_global_group_so_n_ranks_split_as_one():
-    """Group g goes to mini-batch g % M: the union over ranks of each rank's mini-batch k is one process's."""
+    """Group g goes to mini-batch g % M:
+    the union over ranks of each rank's mini-batch k is one process's."""
     one = grpo.mini_batch_rows(8, 2, 2, first_group=0)  # 4 groups of G = 2
     assert one == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    rank0, rank1 = grpo.mini_batch_rows(4, 2, 2, first_group=0), grpo.mini_batch_rows(4, 2, 2, first_group=2)
+    rank0 = grpo.mini_batch_rows(4, 2, 2, first_group=0)
+    rank1 = grpo.mini_batch_rows(4, 2, 2, first_group=2)
     for k in range(2):
-        assert sorted(rank0[k] + [4 + r for r in rank1[k]]) == one[k]  # rank 1's rows are global rows 4..7
+        # rank 1's rows are global rows 4..7
+        assert sorted(rank0[k] + [4 + r for r in rank1[k]]) == one[k]
     assert grpo.mini_batch_rows(6, 2, 1, first_group=0) == [[0, 1, 2, 3, 4, 5]]
 
 
@@ -557,28 +636,34 @@ def test_mini_batches_split_by_global_group_so_n_ranks_split_as_one():
 
 
 def test_no_two_rows_turns_or_steps_of_a_run_share_a_seed():
-    """Row j of slot i at step t, tool turn k: one seed each over a long run (64 prompts x G = 8 a step, 3 turns,
-    consecutive steps and steps far apart), eval's stream apart from training's; N ranks' slices are one
-    process's seeds, and the seeds are a pure function of the key (a resumed run, another process, gets them)."""
+    """Row j of slot i at step t, tool turn k: one seed each over a long run (64 prompts x G = 8 a
+    step, 3 turns, consecutive steps and steps far apart), eval's stream apart from training's; N
+    ranks' slices are one process's seeds, and the seeds are a pure function of the key (a resumed
+    run, another process, gets them)."""
     from rollout import derive_seed
     from tools import turn_seed
 
     cfg = config.load_config(overrides=["--group_size=8", "--batch_size=512", "--seed=1337"])
     steps = [*range(150), *range(7850, 8000)]
-    seeds = [turn_seed(s, k) for t in steps for s in grpo.sampling_seeds(cfg, t, 0, 64) for k in range(3)]
+    seeds = [turn_seed(s, k) for t in steps for s in grpo.sampling_seeds(cfg, t, 0, 64)
+             for k in range(3)]
     assert len(seeds) == 300 * 64 * 8 * 3 and len(set(seeds)) == len(seeds)
     assert all(0 <= s < 2**63 for s in seeds)  # vLLM keeps seeds as int64
-    for t in (0, 1, 7918):  # consecutive steps share none (with seed + step + slot * K + j they shared 56 of 64)
-        assert not set(grpo.sampling_seeds(cfg, t, 0, 64)) & set(grpo.sampling_seeds(cfg, t + 1, 0, 64))
+    # consecutive steps share none (with seed + step + slot * K + j they shared 56 of 64)
+    for t in (0, 1, 7918):
+        now, after = grpo.sampling_seeds(cfg, t, 0, 64), grpo.sampling_seeds(cfg, t + 1, 0, 64)
+        assert not set(now) & set(after)
     assert not set(grpo.row_seeds((1337, "eval"), 0, 64, 8)) & set(seeds)
     # two ranks, 32 prompts each: rank 1's slots are 32..63 of the global batch
     halves = grpo.sampling_seeds(cfg, 5, 0, 32) + grpo.sampling_seeds(cfg, 5, 32, 32)
     assert halves == grpo.sampling_seeds(cfg, 5, 0, 64)
-    assert grpo.sampling_seeds(cfg, 5, 0, 1) == [derive_seed(1337, "train", 5, 0, j) for j in range(8)]
-    assert derive_seed(1337, "train", 0, 0, 0) == 1204145446159308702  # blake2b: the same in every process
+    want = [derive_seed(1337, "train", 5, 0, j) for j in range(8)]
+    assert grpo.sampling_seeds(cfg, 5, 0, 1) == want
+    # blake2b: the same in every process
+    assert derive_seed(1337, "train", 0, 0, 0) == 1204145446159308702
 
 
-# ---------------------------------------------------------------- reward components across refills and ranks
+# ------------------------------------------------------- reward components across refills and ranks
 
 COLLECT = r'''
 import json, sys
@@ -590,14 +675,16 @@ from task import Task
 
 
 class Engine:
-    """Row 0 of every group answers "1", the others "0" (every group has a spread); records the seeds."""
+    """Row 0 of every group answers "1", the others "0" (every group has a spread); records the
+    seeds."""
 
     def __init__(self):
         self.seeds = []
 
     def generate(self, prompts, n, *, seeds, **sampling):
         self.seeds += seeds
-        return [[Completion(list(p), [7], "1" if j == 0 else "0", [-1.0], False) for j in range(n)] for p in prompts]
+        return [[Completion(list(p), [7], "1" if j == 0 else "0", [-1.0], False) for j in range(n)]
+                for p in prompts]
 
 
 class InOrder:
@@ -618,13 +705,15 @@ def reward(completion, problem):
 
 
 parallel.setup("cpu")
-cfg = load_config(overrides=["--batch_size=16", "--group_size=4", "--dynamic_sampling=true", "--reward_timeout=0"])
+cfg = load_config(overrides=["--batch_size=16", "--group_size=4", "--dynamic_sampling=true",
+                             "--reward_timeout=0"])
 problems = [{"id": str(i), "i": i} for i in range(20)]
 train = grpo.Split(Task("test", None, None, reward), problems, [[100 + i] for i in range(20)])
 engine, sampler, steps = Engine(), InOrder(), []
 for step in range(2):
     batch, drawn, rounds = grpo.collect_rollouts(engine, sampler, train, cfg, step, 1.0, {})
-    steps.append({"drawn": drawn.problem, "components": {k: v.tolist() for k, v in drawn.components.items()},
+    steps.append({"drawn": drawn.problem,
+                  "components": {k: v.tolist() for k, v in drawn.components.items()},
                   "kept": {k: v.tolist() for k, v in batch.gathered().components.items()}})
 print("RESULT " + json.dumps({"rank": parallel.rank(), "steps": steps, "seeds": engine.seeds}))
 '''
@@ -634,18 +723,21 @@ def collect(tmp_path, ranks):
     """COLLECT's two steps of collect_rollouts on 1 process or 2 gloo ranks: each rank's RESULT."""
     script = tmp_path / "collect.py"
     script.write_text(COLLECT)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={ranks}"]
     cmd = (launcher if ranks > 1 else [sys.executable]) + [str(script), ROOT]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
     return sorted(results, key=lambda r: r["rank"])
 
 
 def test_reward_components_agree_across_refills_and_ranks(tmp_path):
-    """A task reports "bonus" for prompts 0 and 1 only, and its reward raises on prompts 2 and 3 (all of rank 1's
-    under 2 ranks). The refill lacks "bonus", rank 1 has only errors: every rank still logs the union of names,
-    0 where a row did not report one, the same on both ranks, and the first draw is one process's."""
+    """A task reports "bonus" for prompts 0 and 1 only, and its reward raises on prompts 2 and 3
+    (all of rank 1's under 2 ranks). The refill lacks "bonus", rank 1 has only errors: every rank
+    still logs the union of names, 0 where a row did not report one, the same on both ranks, and the
+    first draw is one process's."""
     one, = collect(tmp_path, 1)
     two = collect(tmp_path, 2)
     assert len(two) == 2
@@ -657,18 +749,23 @@ def test_reward_components_agree_across_refills_and_ranks(tmp_path):
         comps = step0["components"]
         assert comps["bonus"] == [0.5 if p < 2 else 0.0 for p in rows]
         assert comps["errors"] == [float(p in (2, 3)) for p in rows]
-        assert comps["correct"] == [float(r % 4 == 0 and p not in (2, 3)) for r, p in enumerate(rows)]
+        assert comps["correct"] == [float(r % 4 == 0 and p not in (2, 3))
+                                    for r, p in enumerate(rows)]
         assert comps["timeouts"] == [0.0] * len(rows)
     for key in ("drawn", "components", "kept"):  # every rank holds the same global view
         assert [s[key] for s in two[0]["steps"]] == [s[key] for s in two[1]["steps"]]
-    assert one["steps"][0]["drawn"][:16] == two[0]["steps"][0]["drawn"][:16] == [p for p in range(4) for _ in range(4)]
-    assert one["steps"][0]["drawn"][16:] == [p for p in (4, 5) for _ in range(4)]  # one refill of 2 prompts
-    assert two[0]["steps"][0]["drawn"][16:] == [p for p in (4, 5, 6, 7) for _ in range(4)]  # 2 a rank
+    first_draw = [p for p in range(4) for _ in range(4)]
+    assert one["steps"][0]["drawn"][:16] == two[0]["steps"][0]["drawn"][:16] == first_draw
+    # one refill of 2 prompts
+    assert one["steps"][0]["drawn"][16:] == [p for p in (4, 5) for _ in range(4)]
+    # 2 a rank
+    assert two[0]["steps"][0]["drawn"][16:] == [p for p in (4, 5, 6, 7) for _ in range(4)]
     # seeds: the first draw's rows are one process's, split by rank; no seed twice in either run
     first = one["seeds"][:16]
     assert two[0]["seeds"][:8] + two[1]["seeds"][:8] == first
     assert len(set(one["seeds"])) == len(one["seeds"])
-    assert len(set(two[0]["seeds"] + two[1]["seeds"])) == len(two[0]["seeds"]) + len(two[1]["seeds"])
+    seeds = two[0]["seeds"] + two[1]["seeds"]
+    assert len(set(seeds)) == len(seeds)
 
 
 # ---------------------------------------------------------------- init_from and the reference (F1)
@@ -676,8 +773,9 @@ def test_reward_components_agree_across_refills_and_ranks(tmp_path):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_init_from_is_the_reference_so_the_first_kl_is_zero(tmp_path, lora):
-    """init_from a perturbed copy of the model, beta > 0: before any update the policy is the reference, in full
-    fine-tuning as with LoRA (whose reference is its base, init_from), so step 0's KL is exactly 0."""
+    """init_from a perturbed copy of the model, beta > 0: before any update the policy is the
+    reference, in full fine-tuning as with LoRA (whose reference is its base, init_from), so step
+    0's KL is exactly 0."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from model import build_tiny
@@ -690,7 +788,8 @@ def test_init_from_is_the_reference_so_the_first_kl_is_zero(tmp_path, lora):
     model.save_pretrained(tmp_path / "init")
     AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "init")
     out = tmp_path / "run"
-    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={out}", "--engine=hf",
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={out}",
+               "--engine=hf",
                f"--init_from={tmp_path / 'init'}", "--beta=0.01", "--max_steps=2", "--eval_every=0",
                "--test_size=4", *(["--lora_rank=4"] if lora else [])])
     metrics = read_jsonl(out / "metrics.jsonl")
@@ -734,7 +833,7 @@ def test_training_and_eval_generate_with_the_tasks_stop_strings(tmp_path):
             assert "e" not in c.text
 
 
-# ---------------------------------------------------------------- zero-variance groups (R7's filter)
+# ------------------------------------------------------------ zero-variance groups (R7, no refill)
 
 
 class LengthScripted:
@@ -778,7 +877,7 @@ def test_drop_zero_std_groups_trains_only_on_mixed_groups(drop):
     advantages = grpo.group_advantages(batch.rewards, 4)
     ub = grpo.prepare_update(batch, advantages, cfg, pad_id=0, device="cpu")
     stats = group_stats(drawn.rewards, 4, correct=drawn.components["correct"])
-    metrics = grpo.rollout_metrics(0, drawn, stats, batch, 0, 0.0, 1.0, cfg)
+    metrics = log.rollout_metrics(0, drawn, stats, batch, 0, 0.0, 1.0, cfg)
     assert drawn.problem == [p for p in range(3) for _ in range(4)]  # the log sees all three
     assert metrics["frac_reward_zero_std"] == pytest.approx(2 / 3)
     if drop:

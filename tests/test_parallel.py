@@ -1,4 +1,6 @@
-"""torchrun with 2 CPU processes (gloo) against one process on the same global batch.   pytest tests/test_parallel.py
+"""torchrun with 2 CPU processes (gloo) against one process on the same global batch.
+
+    pytest tests/test_parallel.py
 
 FSDP2 and DDP must give the single-process run's samples, losses and weights (float32, within
 1e-5), write their files once, and hand checkpoints back and forth between 1 and 2 ranks.
@@ -18,18 +20,23 @@ import torch
 import parallel
 from grpo import forward_logprobs, pad_batch
 from loss import grpo_loss
-from rollout import Completion, vllm_available
+from preflight import vllm_available
+from rollout import Completion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"), reason="vllm not installed")
-# float32, a KL term (so the sharded reference runs too), several micro-batches per rank, a save every step
-ARGS = ["--config", os.path.join(ROOT, "config", "tiny.py"), "--engine=hf", "--dtype=float32", "--max_steps=3",
-        "--lr=1e-3", "--beta=0.01", "--eval_every=0", "--save_every=1", "--keep_checkpoints=5", "--sample_every=1",
-        "--sample_groups=2", "--micro_batch_tokens=128"]
+requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"),
+                                   reason="vllm not installed")
+# float32, a KL term (so the sharded reference runs too), several micro-batches per rank,
+# a save every step
+ARGS = ["--config", os.path.join(ROOT, "config", "tiny.py"), "--engine=hf", "--dtype=float32",
+        "--max_steps=3",
+        "--lr=1e-3", "--beta=0.01", "--eval_every=0", "--save_every=1", "--keep_checkpoints=5",
+        "--sample_every=1", "--sample_groups=2", "--micro_batch_tokens=128"]
 
 
 def run(out_dir, ranks, *extra):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={ranks}"]
     cmd = (launcher if ranks > 1 else [sys.executable]) + [os.path.join(ROOT, "grpo.py"), *ARGS,
                                                             f"--out_dir={out_dir}", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -45,7 +52,8 @@ def read_jsonl(path):
 def weights(ckpt):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict()  # what a user would load
+    # what a user would load
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict()
 
 
 def max_weight_diff(a, b):
@@ -67,39 +75,51 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_two_ranks_match_one_process(runs, mode):
-    one, two = read_jsonl(runs["single"] / "metrics.jsonl"), read_jsonl(runs[mode] / "metrics.jsonl")
+    one, two = (read_jsonl(runs["single"] / "metrics.jsonl"),
+                read_jsonl(runs[mode] / "metrics.jsonl"))
     assert [m["step"] for m in two] == [0, 1, 2]
     for a, b in zip(one, two):
-        assert a["reward"] == b["reward"] and a["response_length"] == b["response_length"]  # the same samples
+        # the same samples
+        assert a["reward"] == b["reward"] and a["response_length"] == b["response_length"]
         assert a["tokens"] == b["tokens"]
-        for key in ("loss", "kl", "grad_norm", "entropy", "clip_frac_low", "sampler_logprob_diff_mean"):
+        for key in ("loss", "kl", "grad_norm", "entropy", "clip_frac_low",
+                    "sampler_logprob_diff_mean"):
             assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
-    assert one[-1]["kl"] > 0 and one[-1]["loss"] != 0  # a real update, not a no-op that trivially agrees
+    # a real update, not a no-op that trivially agrees
+    assert one[-1]["kl"] > 0 and one[-1]["loss"] != 0
+
     # rank 0 dumps its own groups, which are the first groups of the global batch
-    dumped = [(s["step"], s["completion"]) for s in read_jsonl(runs[mode] / "samples.jsonl")]
-    assert dumped == [(s["step"], s["completion"]) for s in read_jsonl(runs["single"] / "samples.jsonl")]
+    def dumped(run):
+        return [(s["step"], s["completion"]) for s in read_jsonl(run / "samples.jsonl")]
+
+    assert dumped(runs[mode]) == dumped(runs["single"])
     assert max_weight_diff(runs["single"] / "ckpt_000003", runs[mode] / "ckpt_000003") < 1e-5
     opt_one = torch.load(runs["single"] / "ckpt_000003" / "optimizer.pt")
     opt_two = torch.load(runs[mode] / "ckpt_000003" / "optimizer.pt")
-    assert opt_one["state"].keys() == opt_two["state"].keys()  # keyed by parameter name, whatever the sharding
+    # keyed by parameter name, whatever the sharding
+    assert opt_one["state"].keys() == opt_two["state"].keys()
     for name, state in opt_one["state"].items():
         assert torch.allclose(state["exp_avg"], opt_two["state"][name]["exp_avg"], atol=1e-6)
 
 
 def test_lora_under_fsdp_matches_one_process(tmp_path):
-    """LoRA: the peft wrapper around a sharded model trains, samples (HF generate) and saves its adapter alike."""
+    """LoRA: the peft wrapper around a sharded model trains, samples
+    (HF generate) and saves its adapter alike."""
     from safetensors.torch import load_file
 
     run(tmp_path / "one", 1, "--lora_rank=4", "--max_steps=2")
     run(tmp_path / "two", 2, "--lora_rank=4", "--max_steps=2")
-    for a, b in zip(read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")):
+    for a, b in zip(read_jsonl(tmp_path / "one" / "metrics.jsonl"),
+                    read_jsonl(tmp_path / "two" / "metrics.jsonl")):
         assert a["reward"] == b["reward"]
         for key in ("loss", "kl", "grad_norm"):
             assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
-    one, two = (load_file(tmp_path / d / "ckpt_000002" / "adapter_model.safetensors") for d in ("one", "two"))
+    one, two = (load_file(tmp_path / d / "ckpt_000002" / "adapter_model.safetensors")
+                for d in ("one", "two"))
     assert one.keys() == two.keys() and any("lora_B" in k for k in one)
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5
-    assert max(v.abs().max().item() for k, v in two.items() if "lora_B" in k) > 0  # B starts at 0: it trained
+    # B starts at 0: it trained
+    assert max(v.abs().max().item() for k, v in two.items() if "lora_B" in k) > 0
 
 
 def test_only_rank_zero_writes(runs):
@@ -109,7 +129,8 @@ def test_only_rank_zero_writes(runs):
     assert sorted(os.listdir(out)) == files
     assert len(read_jsonl(out / "metrics.jsonl")) == 3  # one line per step, not one per rank
     assert len(read_jsonl(out / "samples.jsonl")) == 3 * 2 * 4  # 3 steps x 2 groups x G=4, once
-    assert sorted(os.listdir(out / "ckpt_000003")) == sorted(os.listdir(runs["single"] / "ckpt_000003"))
+    single = runs["single"] / "ckpt_000003"
+    assert sorted(os.listdir(out / "ckpt_000003")) == sorted(os.listdir(single))
 
 
 def resume_from(source, out_dir, step):
@@ -117,7 +138,8 @@ def resume_from(source, out_dir, step):
     os.makedirs(out_dir)
     shutil.copytree(source / f"ckpt_{step:06d}", out_dir / f"ckpt_{step:06d}")
     shutil.copytree(source / "tiny_model", out_dir / "tiny_model")
-    shutil.copy(source / "metrics.jsonl", out_dir / "metrics.jsonl")  # resume cuts the lines after `step`
+    # resume cuts the lines after `step`
+    shutil.copy(source / "metrics.jsonl", out_dir / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("source, ranks", [("fsdp", 1), ("single", 2)])
@@ -133,28 +155,34 @@ def test_checkpoint_resumes_on_another_number_of_ranks(runs, tmp_path, source, r
 
 @requires_vllm
 def test_vllm_engine_per_rank_gets_the_sharded_weights(tmp_path):
-    """One vLLM engine per rank (external_launcher); each is pushed the FSDP2-sharded policy every step."""
+    """One vLLM engine per rank (external_launcher);
+    each is pushed the FSDP2-sharded policy every step."""
     out = tmp_path / "vllm"
     run(out, 2, "--engine=vllm", "--save_every=0", "--sample_every=0")
     log = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in log] == [0, 1, 2]
-    for m in log:  # fp32 on both sides: after each update the engines sample from exactly the trainer's weights
+    # fp32 on both sides: after each update the engines sample from exactly the trainer's weights
+    for m in log:
         assert m["sampler_logprob_diff_max"] < 1e-4, m["sampler_logprob_diff_max"]
     assert log[-1]["kl"] > 0
 
 
 @requires_vllm
 def test_vllm_tensor_parallel_engine_shared_by_two_ranks(runs, tmp_path):
-    """vllm_tensor_parallel=2: both ranks drive one engine split over them; each keeps its own prompts' samples
-    (grpo.rollout checks that every completion came back for the prompt it asked for)."""
+    """vllm_tensor_parallel=2: both ranks drive one engine split over them; each keeps its own
+    prompts' samples (grpo.rollout checks that every completion came back for the prompt it asked
+    for)."""
     out = tmp_path / "tp"
     run(out, 2, "--engine=vllm", "--vllm_tensor_parallel=2", "--save_every=0")
     log = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in log] == [0, 1, 2] and log[-1]["kl"] > 0
     for m in log:  # the sharded engine holds exactly the trainer's weights after every push
         assert m["sampler_logprob_diff_max"] < 1e-4, m["sampler_logprob_diff_max"]
-    prompts = [(s["step"], s["problem"]["id"]) for s in read_jsonl(out / "samples.jsonl")]
-    assert prompts == [(s["step"], s["problem"]["id"]) for s in read_jsonl(runs["single"] / "samples.jsonl")]
+
+    def prompts(run):
+        return [(s["step"], s["problem"]["id"]) for s in read_jsonl(run / "samples.jsonl")]
+
+    assert prompts(out) == prompts(runs["single"])
 
 
 def test_padding_micro_batches_add_nothing(monkeypatch, tmp_path):
@@ -167,11 +195,12 @@ def test_padding_micro_batches_add_nothing(monkeypatch, tmp_path):
     cfg = load_config(os.path.join(ROOT, "config", "tiny.py"), ["--dtype=float32"])
     folder = build_tiny(str(tmp_path / "tiny"))
     policy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    rows = [Completion([5, 6, 7], [8, 9, 10, 11], "", [-1.0] * 4, False), Completion([5, 6], [12, 13], "", [-1.0] * 2,
-                                                                                        False)]
+    rows = [Completion([5, 6, 7], [8, 9, 10, 11], "", [-1.0] * 4, False),
+            Completion([5, 6], [12, 13], "", [-1.0] * 2, False)]
     ids, attention, mask, sampler_lp = pad_batch(rows, pad_id=0)
     advantages = torch.tensor([1.0, -1.0])
-    monkeypatch.setattr(parallel, "all_max", lambda x: 3)  # another rank has 3 micro-batches; this one has 1
+    # another rank has 3 micro-batches; this one has 1
+    monkeypatch.setattr(parallel, "all_max", lambda x: 3)
     tensors = dict(ids=ids, attention=attention, mask=mask, sampler_lp=sampler_lp,
                    advantages=advantages)
     t, batches = parallel.even_micro_batches(tensors, [[0, 1]])
@@ -201,19 +230,21 @@ def test_a_rank_left_with_no_rows_still_makes_its_passes(monkeypatch):
 
 
 def test_two_ranks_match_one_process_with_mini_batches_and_batch_wide_statistics(tmp_path):
-    """mini_batches splits by global group, the batch std and the entropy quantile are the global batch's:
-    2 FSDP ranks still take exactly one process's steps."""
-    extra = ["--mini_batches=2", "--num_iterations=2", "--adv_scale=batch", "--entropy_top_quantile=0.5",
-             "--max_steps=2"]
+    """mini_batches splits by global group, the batch std and the entropy quantile are the global
+    batch's: 2 FSDP ranks still take exactly one process's steps."""
+    extra = ["--mini_batches=2", "--num_iterations=2", "--adv_scale=batch",
+             "--entropy_top_quantile=0.5", "--max_steps=2"]
     run(tmp_path / "single", 1, *extra)
     run(tmp_path / "fsdp", 2, "--parallel=fsdp", *extra)
-    one, two = read_jsonl(tmp_path / "single" / "metrics.jsonl"), read_jsonl(tmp_path / "fsdp" / "metrics.jsonl")
+    one, two = (read_jsonl(tmp_path / "single" / "metrics.jsonl"),
+                read_jsonl(tmp_path / "fsdp" / "metrics.jsonl"))
     for a, b in zip(one, two):
         assert a["reward"] == b["reward"] and a["optimizer_steps"] == b["optimizer_steps"] == 4
         for key in ("loss", "kl", "grad_norm", "approx_kl_old", "pg_token_frac"):
             assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
     assert one[-1]["approx_kl_old"] > 0  # the later steps saw a moved policy
-    assert max_weight_diff(tmp_path / "single" / "ckpt_000002", tmp_path / "fsdp" / "ckpt_000002") < 1e-5
+    assert (max_weight_diff(tmp_path / "single" / "ckpt_000002", tmp_path / "fsdp" / "ckpt_000002")
+            < 1e-5)
 
 
 def decode_on_two_ranks(out_dir):

@@ -16,7 +16,8 @@ def test_count_params_hand_worked():
     # tiny: 2 layers x (attn 2*64*64 + 2*64*64 + mlp 3*64*128) + tied embedding 512*64
     assert count_params(preflight.SHAPES["tiny"]) == 2 * (4 * 64 * 64 + 3 * 64 * 128) + 512 * 64
     # Qwen2.5-3B-Instruct has 3.09B parameters (its model card)
-    assert count_params(preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"]) / 1e9 == pytest.approx(3.09, abs=0.01)
+    assert (count_params(preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"]) / 1e9
+            == pytest.approx(3.09, abs=0.01))
 
 
 def test_memory_estimate_hand_worked():
@@ -95,7 +96,8 @@ def test_memory_check_against_the_device(tmp_path, capsys):
     with pytest.raises(ConfigError, match="one update needs .* lower micro_batch_tokens"):
         preflight.preflight(load_config(path, ["--device_memory_gb=40"]))
     with pytest.raises(ConfigError, match="lower gpu_memory_utilization"):
-        preflight.preflight(load_config(path, ["--device_memory_gb=80", "--gpu_memory_utilization=0.6"]))
+        preflight.preflight(load_config(path,
+                                        ["--device_memory_gb=80", "--gpu_memory_utilization=0.6"]))
 
 
 def test_the_24gb_run_file_fits_a_24gb_device(capsys):
@@ -118,8 +120,9 @@ def test_unknown_model_skips_the_estimate_with_a_note(capsys):
 
 
 def test_model_shape_from_a_local_folder(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, '
-                                          '"num_hidden_layers": 1, "num_attention_heads": 2}')
+    (tmp_path / "config.json").write_text('{"vocab_size": 10, "hidden_size": 8, '
+                                          '"intermediate_size": 16, "num_hidden_layers": 1, '
+                                          '"num_attention_heads": 2}')
     shape = preflight.model_shape(str(tmp_path))
     assert count_params(shape) == 4 * 8 * 8 + 3 * 8 * 16 + 2 * 10 * 8  # untied by default
 
@@ -151,9 +154,11 @@ def test_fsdp_memory_estimate_is_sharded(monkeypatch):
 def test_a_gpu_sized_run_on_a_cpu_asks_for_device_cpu(monkeypatch):
     monkeypatch.setattr(preflight, "device_memory_gib", lambda cfg: None)  # a machine without a GPU
     path = os.path.join(ROOT, "config", "countdown_3b.py")
-    with pytest.raises(ConfigError, match=r"needs ~\d+ GiB: it is sized for a GPU.*pass --device=cpu"):
+    with pytest.raises(ConfigError,
+                       match=r"needs ~\d+ GiB: it is sized for a GPU.*pass --device=cpu"):
         preflight.preflight(load_config(path))
-    assert preflight.preflight(load_config(path, ["--device=cpu"]))["weights"] > 11  # asked for explicitly: it starts
+    # asked for explicitly: it starts
+    assert preflight.preflight(load_config(path, ["--device=cpu"]))["weights"] > 11
     assert preflight.preflight(load_config())["weights"] < 1  # the default run is CPU-sized
 
 

@@ -60,8 +60,10 @@ COUNTDOWN_CASES = [
     ("text after answer", A("3*5+7") + " Hope this helps!", N, T, (0, 1, 1, 1)),
     ("text between blocks", "<think>a</think> So: <answer>3*5+7</answer>", N, T, (0, 1, 1, 1)),
     ("two answer tags, last right", A("3+5+7") + "<answer>3*5+7</answer>", N, T, (0, 1, 1, 1)),
-    ("two answer tags, last wrong", "<think>a</think><answer>3*5+7</answer><answer>3+5+7</answer>", N, T, (0, 1, 1, 0)),
-    ("answer in think and after", "<think><answer>3+5+7</answer></think><answer>3*5+7</answer>", N, T, (0, 1, 1, 1)),
+    ("two answer tags, last wrong", "<think>a</think><answer>3*5+7</answer><answer>3+5+7</answer>",
+     N, T, (0, 1, 1, 0)),
+    ("answer in think and after", "<think><answer>3+5+7</answer></think><answer>3*5+7</answer>",
+     N, T, (0, 1, 1, 1)),
     # wrong values with the right numbers
     ("sum", A("3+5+7"), N, T, WRONG_VALUE),
     ("difference", A("3*5-7"), N, T, WRONG_VALUE),
@@ -118,7 +120,8 @@ COUNTDOWN_CASES = [
     ("deep nesting", A("(" * 300 + "3*5+7" + ")" * 300), N, T, REJECTED),
     ("100 KB answer", A("1+" * 50_000 + "1"), N, T, REJECTED),
     ("prose answer", A("The answer is 3*5+7"), N, T, REJECTED),
-    ("nested answer tags", "<think>a</think><answer><answer>3*5+7</answer></answer>", N, T, (0, 0, 0, 0)),
+    ("nested answer tags", "<think>a</think><answer><answer>3*5+7</answer></answer>",
+     N, T, (0, 0, 0, 0)),
     ("html entity", A("3*5&#43;7"), N, T, REJECTED),
     # no answer at all
     ("no tags", "3*5+7", N, T, NOTHING),
@@ -142,7 +145,8 @@ def test_at_least_sixty_countdown_cases():
     assert len({name for name, *_ in COUNTDOWN_CASES}) == len(COUNTDOWN_CASES)
 
 
-@pytest.mark.parametrize("name, text, numbers, target, want", COUNTDOWN_CASES, ids=[c[0] for c in COUNTDOWN_CASES])
+@pytest.mark.parametrize("name, text, numbers, target, want", COUNTDOWN_CASES,
+                         ids=[c[0] for c in COUNTDOWN_CASES])
 def test_countdown(name, text, numbers, target, want):
     start = time.perf_counter()
     got = countdown_reward(text, numbers, target)
@@ -163,7 +167,8 @@ def test_extract_answer_and_format():
     assert extract_answer("x <answer> 1 </answer> y <answer>\n2\n</answer>") == "2"
     assert extract_answer("<think>a</think> no tags") is None
     assert has_format("<think>a</think><answer>1</answer>")
-    assert not has_format("<think>a</think><answer></answer>")  # W4: empty answers get no format credit
+    # W4: empty answers get no format credit
+    assert not has_format("<think>a</think><answer></answer>")
     assert not has_format("<think>a <answer>1</answer></think>")
 
 
@@ -236,16 +241,20 @@ def test_math_placeholders_and_restated_questions_earn_nothing():
     assert math_reward(M("27"), "27") == {"format": 1.0, "parsed": 1.0, "correct": 1.0}
     assert math_reward(M("26"), "27") == {"format": 1.0, "parsed": 1.0, "correct": 0.0}
     # with the last-number fallback, an untagged answer is judged but never counts as parsed
-    assert math_reward("13 + 14 = 27", "27", last_number=True) == {"format": 0.0, "parsed": 0.0, "correct": 1.0}
+    assert math_reward("13 + 14 = 27", "27", last_number=True) == {
+        "format": 0.0, "parsed": 0.0, "correct": 1.0}
 
 
 def test_math_answer_sources_and_guards():
-    assert math_reward("<think>w</think><answer>42</answer>", "42")["correct"] == 1.0  # plain <answer>
-    assert math_reward(r"so the result is \boxed{42}", "42") == {"format": 0.0, "parsed": 1.0, "correct": 1.0}
+    # plain <answer>
+    assert math_reward("<think>w</think><answer>42</answer>", "42")["correct"] == 1.0
+    assert math_reward(r"so the result is \boxed{42}", "42") == {
+        "format": 0.0, "parsed": 1.0, "correct": 1.0}
     # W4: an empty box scores nothing, not even format
     assert math_reward(M(""), "0") == {"format": 0.0, "parsed": 0.0, "correct": 0.0}
     assert math_reward("<think>w</think><answer></answer>", "0")["parsed"] == 0.0
-    assert math_reward(r"<think>w</think><answer>\boxed{7</answer>", "7")["correct"] == 0.0  # unbalanced
+    # unbalanced
+    assert math_reward(r"<think>w</think><answer>\boxed{7</answer>", "7")["correct"] == 0.0
 
 
 def test_math_time_bound_on_adversarial_input():
@@ -257,7 +266,8 @@ def test_math_time_bound_on_adversarial_input():
 
 # ---------------------------------------------------------------- code
 
-ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", {"call": "add(2, 3)", "expected": 5}]
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0",
+             {"call": "add(2, 3)", "expected": 5}]
 
 
 def C(code):
@@ -267,19 +277,23 @@ def C(code):
 def test_code_passing_and_failing():
     right = {"format": 1.0, "parsed": 1.0, "correct": 1.0}
     assert code_reward(C("def add(a, b):\n    return a + b"), ADD_TESTS) == right
-    assert code_reward(C("def add(a, b):\n    return abs(a) + b"), ADD_TESTS)["correct"] == pytest.approx(2 / 3)
-    assert code_reward(C("def add(a, b):\n    return a +"), ADD_TESTS)["correct"] == 0.0  # syntax error
+    assert code_reward(C("def add(a, b):\n    return abs(a) + b"),
+                       ADD_TESTS)["correct"] == pytest.approx(2 / 3)
+    # syntax error
+    assert code_reward(C("def add(a, b):\n    return a +"), ADD_TESTS)["correct"] == 0.0
     assert code_reward("no code here", ADD_TESTS) == {"format": 0.0, "parsed": 0.0, "correct": 0.0}
 
 
 def test_code_infinite_loop_times_out():
     start = time.perf_counter()
-    assert code_reward(C("def add(a, b):\n    while True: pass"), ADD_TESTS, timeout=2.0)["correct"] == 0.0
+    assert code_reward(C("def add(a, b):\n    while True: pass"), ADD_TESTS,
+                       timeout=2.0)["correct"] == 0.0
     assert time.perf_counter() - start < 5.0
 
 
 def test_code_exiting_early_or_faking_results_scores_zero():
-    fake = 'import json, sys\nfor i in range(3): sys.__stdout__.write(json.dumps(["x", i, True]) + "\\n")\n'
+    fake = ('import json, sys\n'
+            'for i in range(3): sys.__stdout__.write(json.dumps(["x", i, True]) + "\\n")\n')
     assert code_reward(C("import os\nos._exit(0)"), ADD_TESTS)["correct"] == 0.0
     assert code_reward(C("raise SystemExit(0)"), ADD_TESTS)["correct"] == 0.0
     assert code_reward(C(fake + "def add(a, b): return 99"), ADD_TESTS)["correct"] == 0.0
@@ -288,16 +302,19 @@ def test_code_exiting_early_or_faking_results_scores_zero():
 def test_always_equal_objects_do_not_pass_exact_tests():
     code = "class Yes:\n    def __eq__(self, other): return True\ndef add(a, b):\n    return Yes()"
     assert code_reward(C(code), [{"call": "add(2, 3)", "expected": 5}])["correct"] == 0.0
-    int_subclass = "class I(int):\n    def __eq__(self, o): return True\ndef add(a, b):\n    return I(0)"
+    int_subclass = ("class I(int):\n    def __eq__(self, o): return True\n"
+                    "def add(a, b):\n    return I(0)")
     assert code_reward(C(int_subclass), [{"call": "add(2, 3)", "expected": 5}])["correct"] == 0.0
 
 
 def test_code_fork_bomb_leaves_nothing_behind():
-    bomb = ("import os\nfor _ in range(200):\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    bomb = ("import os\nfor _ in range(200):\n    try:\n        os.fork()\n"
+            "    except OSError:\n        pass\n"
             "def add(a, b): return a + b")
     # forks fail past the process limit
     assert code_reward(C(bomb), ADD_TESTS, timeout=10.0)["correct"] == 1.0
-    deadline = time.time() + 5  # processes of a killed sandbox die asynchronously; none may outlive it
+    # processes of a killed sandbox die asynchronously; none may outlive it
+    deadline = time.time() + 5
     while sandbox_processes() and time.time() < deadline:
         time.sleep(0.1)
     assert sandbox_processes() == []
@@ -336,7 +353,8 @@ def test_code_has_no_network():
     port = server.getsockname()[1]
     code = (
         "import socket\ndef reach():\n    try:\n"
-        f"        socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n        return 'connected'\n"
+        f"        socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
+        "        return 'connected'\n"
         "    except OSError:\n        return 'blocked'"
     )
     try:
@@ -346,9 +364,11 @@ def test_code_has_no_network():
 
 
 def test_code_huge_output_is_harmless():
-    code = "print('x' * 50_000_000)\nimport sys\nsys.stderr.write('y' * 10_000_000)\ndef add(a, b): return a + b"
+    code = ("print('x' * 50_000_000)\nimport sys\nsys.stderr.write('y' * 10_000_000)\n"
+            "def add(a, b): return a + b")
     assert code_reward(C(code), ADD_TESTS)["correct"] == 1.0
-    big_file = "open('big', 'w').write('z' * 10_000_000)\ndef add(a, b): return a + b"  # RLIMIT_FSIZE: 1 MB
+    # RLIMIT_FSIZE: 1 MB
+    big_file = "open('big', 'w').write('z' * 10_000_000)\ndef add(a, b): return a + b"
     assert code_reward(C(big_file), ADD_TESTS)["correct"] == 0.0
 
 
@@ -361,7 +381,8 @@ def test_shape_reward_hand_worked():
     unparsed = {"format": 0.0, "parsed": 0.0, "correct": 0.0}
     assert shape_reward(right, 100) == pytest.approx(1.1)
     assert shape_reward(wrong, 100, wrong_penalty=-0.1) == pytest.approx(0.0)
-    assert shape_reward(unparsed, 100, wrong_penalty=-0.1, unparsed_penalty=-0.5) == pytest.approx(-0.5)
+    assert shape_reward(unparsed, 100, wrong_penalty=-0.1,
+                        unparsed_penalty=-0.5) == pytest.approx(-0.5)
     # W3: 65 tokens past a soft limit of 100 -> 3 started blocks of 32 -> -0.15
     assert shape_reward(right, 165, length_soft_limit=100) == pytest.approx(1.1 - 0.15)
     assert shape_reward(right, 100, length_soft_limit=100) == pytest.approx(1.1)
@@ -374,25 +395,33 @@ def test_shape_reward_weighs_the_tasks_own_components():
     c = {"correct": 1.0, "format": 0.0, "brief": 1.0, "style": 0.5}
     assert shape_reward(c, 10) == pytest.approx(1.0 + 1.0 + 0.5)
     assert shape_reward(c, 10, weights={"brief": 0.2, "style": 0.0}) == pytest.approx(1.2)
-    assert shape_reward({"score": 0.7}, 10, unparsed_penalty=-0.5) == pytest.approx(0.7)  # no "parsed": no penalty
-    assert shape_reward({"score": 0.7}, 200, length_soft_limit=100, length_penalty_tokens=100) == pytest.approx(0.65)
+    # no "parsed": no penalty
+    assert shape_reward({"score": 0.7}, 10, unparsed_penalty=-0.5) == pytest.approx(0.7)
+    assert shape_reward({"score": 0.7}, 200, length_soft_limit=100,
+                        length_penalty_tokens=100) == pytest.approx(0.65)
 
 
 def test_score_batch():
-    right, wrong = {"format": 1.0, "parsed": 1.0, "correct": 1.0}, {"format": 1.0, "parsed": 1.0, "correct": 0.0}
+    right = {"format": 1.0, "parsed": 1.0, "correct": 1.0}
+    wrong = {"format": 1.0, "parsed": 1.0, "correct": 0.0}
     results = [{**right, "numbers_valid": 1.0}, wrong, "error", "timeout", {"correct": 1.0}]
-    rewards, comps = score_batch(results, [10] * 5, {"numbers_valid": 0.0}, format_weight=0.2, wrong_penalty=-0.1)
-    assert rewards.tolist() == pytest.approx([1.2, 0.1, 0.0, 0.0, 1.0])  # a failed reward scores exactly 0
+    rewards, comps = score_batch(results, [10] * 5, {"numbers_valid": 0.0}, format_weight=0.2,
+                                 wrong_penalty=-0.1)
+    # a failed reward scores exactly 0
+    assert rewards.tolist() == pytest.approx([1.2, 0.1, 0.0, 0.0, 1.0])
     assert rewards.dtype == torch.float32
     assert comps["correct"].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
-    assert comps["numbers_valid"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]  # a component others lack: 0 for them
-    assert comps["errors"].tolist() == [0.0, 0.0, 1.0, 1.0, 0.0] and comps["timeouts"].tolist() == [0, 0, 0, 1, 0]
+    # a component others lack: 0 for them
+    assert comps["numbers_valid"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert (comps["errors"].tolist() == [0.0, 0.0, 1.0, 1.0, 0.0]
+            and comps["timeouts"].tolist() == [0, 0, 0, 1, 0])
 
 
-# ---------------------------------------------------------------- property: no input crashes or hangs
+# -------------------------------------------------------------- property: no input crashes or hangs
 
-TOKENS = st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "\\boxed{", "{", "}", "(", ")", "*", "**",
-                          "/", "-", "+", " ", "\n", "3", "5", "7", "99999999", "x", ".", "__import__", "９"])
+TOKENS = st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "\\boxed{", "{", "}", "(",
+                          ")", "*", "**", "/", "-", "+", " ", "\n", "3", "5", "7", "99999999", "x",
+                          ".", "__import__", "９"])
 
 
 @settings(max_examples=300, deadline=None)
@@ -406,33 +435,40 @@ def test_random_strings_never_raise_or_hang(text):
     assert time.perf_counter() - start < 0.5
 
 
-# ---------------------------------------------------------------- review fixes: holes and a raising verifier
+# ------------------------------------------------------- review fixes: holes and a raising verifier
 
 
 def test_fractions_count_only_in_lowest_terms():
-    # the prompt asks for lowest terms, and the answer key is in them: 4/6 is not an answer to 1/3 + 1/3
+    # the prompt asks for lowest terms, and the answer key is in them:
+    # 4/6 is not an answer to 1/3 + 1/3
     assert math_reward(M("4/6"), "2/3")["correct"] == 0.0
     assert math_reward(M(r"\frac{4}{6}"), "2/3")["correct"] == 0.0
-    assert math_reward(M("8/4"), "2")["correct"] == 0.0 and math_reward(M("3/1"), "3")["correct"] == 0.0
-    assert math_reward(M("2/3"), "2/3")["correct"] == 1.0 and math_reward(M(r"-\frac{9}{4}"), "-9/4")["correct"] == 1.0
+    assert (math_reward(M("8/4"), "2")["correct"] == 0.0
+            and math_reward(M("3/1"), "3")["correct"] == 0.0)
+    assert math_reward(M("2/3"), "2/3")["correct"] == 1.0
+    assert math_reward(M(r"-\frac{9}{4}"), "-9/4")["correct"] == 1.0
     assert math_reward(M("0.5"), "1/2")["correct"] == 1.0  # an exact decimal is still the number
-    assert math_reward(M("4/6"), "2/3")["parsed"] == 1.0  # parsed, so wrong_penalty (not unparsed) applies
+    # parsed, so wrong_penalty (not unparsed) applies
+    assert math_reward(M("4/6"), "2/3")["parsed"] == 1.0
 
 
 def test_a_box_inside_an_unclosed_think_does_not_score():
-    assert math_reward(r"<think>maybe \boxed{5}", "5") == {"format": 0.0, "parsed": 0.0, "correct": 0.0}
+    assert math_reward(r"<think>maybe \boxed{5}", "5") == {
+        "format": 0.0, "parsed": 0.0, "correct": 0.0}
     assert math_reward("<think>maybe 5", "5", last_number=True)["correct"] == 0.0
     # closed thinking, then the answer outside it: scores
     assert math_reward(r"<think>hmm</think> \boxed{5}", "5")["correct"] == 1.0
     assert math_reward("<think>hmm</think> it is 5", "5", last_number=True)["correct"] == 1.0
-    assert math_reward(r"\boxed{5} <think>on second thought", "5")["correct"] == 1.0  # answered before thinking
+    # answered before thinking
+    assert math_reward(r"\boxed{5} <think>on second thought", "5")["correct"] == 1.0
 
 
 def test_last_number_reads_thousands_separators_whole():
     assert math_reward("The total is 1,234", "1234", last_number=True)["correct"] == 1.0
     assert math_reward("The total is 1,234", "234", last_number=True)["correct"] == 0.0
     assert math_reward("so 12,345,678.5 in all", "12345678.5", last_number=True)["correct"] == 1.0
-    assert math_reward("pick 3, 4", "4", last_number=True)["correct"] == 1.0  # a list is not a separator
+    # a list is not a separator
+    assert math_reward("pick 3, 4", "4", last_number=True)["correct"] == 1.0
 
 
 def test_after_tool_outputs_keeps_only_the_models_text_after_the_last_output():
@@ -441,12 +477,17 @@ def test_after_tool_outputs_keeps_only_the_models_text_after_the_last_output():
     out = TOOL_OUTPUT.format("42")
     assert out.startswith("\n<output>\n") and out.endswith("\n</output>\n")  # the tags it looks for
     assert after_tool_outputs("no tool here: 7") == "no tool here: 7"
-    assert after_tool_outputs("a" + out + "b" + TOOL_OUTPUT.format("43") + "it is 43") == "\nit is 43"
-    assert after_tool_outputs("a" + out + "b\n<output>\n43") == ""  # the last output was cut: all the tool's
+    assert (after_tool_outputs("a" + out + "b" + TOOL_OUTPUT.format("43") + "it is 43")
+            == "\nit is 43")
+    # the last output was cut: all the tool's
+    assert after_tool_outputs("a" + out + "b\n<output>\n43") == ""
     assert after_tool_outputs("<output>\n43") == ""
     assert after_tool_outputs("<think>a" + out + "then 42") == "<think>\nthen 42"  # still thinking
     assert after_tool_outputs("<think>a</think>" + out + "42") == "\n42"
-    assert math_reward("<think>" + out + "</think><answer>42</answer>", "42", tools=True)["correct"] == 1.0
-    assert math_reward("<think>" + out + "</think><answer>41</answer>", "42", tools=True)["correct"] == 0.0
+    assert math_reward("<think>" + out + "</think><answer>42</answer>", "42",
+                       tools=True)["correct"] == 1.0
+    assert math_reward("<think>" + out + "</think><answer>41</answer>", "42",
+                       tools=True)["correct"] == 0.0
     assert math_reward("<answer>42</answer>" + out + "41", "42", True, tools=True)["correct"] == 0.0
-    assert math_reward("<answer>42</answer>" + out + "41", "42", True)["correct"] == 1.0  # tools off
+    # tools off
+    assert math_reward("<answer>42</answer>" + out + "41", "42", True)["correct"] == 1.0

@@ -1,4 +1,7 @@
-"""Both sampling engines on a tiny model: parity with the trainer, weight pushes.   pytest tests/test_rollout.py"""
+"""Both sampling engines on a tiny model: parity with the trainer, weight pushes.
+
+    pytest tests/test_rollout.py
+"""
 
 import os
 import sys
@@ -10,20 +13,23 @@ import torch
 from config import load_config
 from grpo import forward_logprobs, pad_batch
 from model import build_tiny, load_policy, push_weights_iter
-from rollout import HFEngine, VLLMEngine, vllm_available
+from preflight import vllm_available
+from rollout import HFEngine, VLLMEngine
 
 # In CI (CI set) a missing vLLM is a failure, not a skip: the install command must provide it.
-requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"), reason="vllm not installed")
+requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"),
+                                   reason="vllm not installed")
 TEMPERATURE = 0.7
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = build_tiny(str(tmp_path_factory.mktemp("models") / "tiny"))
-    cfg = load_config(overrides=["--model=tiny", "--dtype=float32", "--max_prompt_len=64", "--max_completion_len=24",
-                                 "--micro_batch_tokens=256", "--seed=0"])
+    cfg = load_config(overrides=["--model=tiny", "--dtype=float32", "--max_prompt_len=64",
+                                 "--max_completion_len=24", "--micro_batch_tokens=256", "--seed=0"])
     tokenizer, policy = load_policy(cfg, path, "cpu")
-    prompts = [tokenizer("Write only digits, like 4 2 7:").input_ids, tokenizer("<think> 1 + 2").input_ids]
+    prompts = [tokenizer("Write only digits, like 4 2 7:").input_ids,
+               tokenizer("<think> 1 + 2").input_ids]
     return cfg, path, tokenizer, policy, prompts
 
 
@@ -46,7 +52,8 @@ def trainer_gap(policy, cfg, groups):
 def sample(engine, prompts, temperature=TEMPERATURE, n=4):
     # row j of prompt i seeded i + j: fixed samples that the bounds below were set on
     seeds = [i + j for i in range(len(prompts)) for j in range(n)]
-    return engine.generate(prompts, n, seeds=seeds, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=24)
+    return engine.generate(prompts, n, seeds=seeds, temperature=temperature, top_p=1.0, top_k=-1,
+                           max_tokens=24)
 
 
 def perturb(policy, scale):
@@ -69,18 +76,21 @@ def test_vllm_parity_after_0_1_and_5_pushes(tiny, vllm_engine):
 
 @requires_vllm
 def test_vllm_group_shares_its_prompts_kv_and_a_push_never_serves_the_old_one(tiny, vllm_engine):
-    """A group's G completions reuse its prompt's KV (vLLM's prefix cache, whole blocks only: on a CPU the
-    engine asks for 32-token blocks), and after a push the cache holds the new weights' KV, not the old."""
+    """A group's G completions reuse its prompt's KV (vLLM's prefix cache, whole blocks only: on a
+    CPU the engine asks for 32-token blocks), and after a push the cache holds the new weights' KV,
+    not the old."""
     from vllm import SamplingParams
 
     cfg, _, tokenizer, policy, _ = tiny
     prompt = tokenizer(" ".join(str(i % 10) for i in range(40))).input_ids[:40]  # a block and a bit
     vllm_engine.wake(push_weights_iter(policy))
-    out = vllm_engine.llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=4, max_tokens=4), use_tqdm=False)
+    out = vllm_engine.llm.generate([{"prompt_token_ids": prompt}],
+                                   SamplingParams(n=4, max_tokens=4), use_tqdm=False)
     assert out[0].num_cached_tokens == 32  # the siblings found the first block already computed
     assert trainer_gap(policy, cfg, sample(vllm_engine, [prompt])) < 1e-3
     perturb(policy, 0.2)
-    vllm_engine.wake(push_weights_iter(policy))  # the prompt's cached KV is now stale, and must not be served
+    # the prompt's cached KV is now stale, and must not be served
+    vllm_engine.wake(push_weights_iter(policy))
     assert trainer_gap(policy, cfg, sample(vllm_engine, [prompt])) < 1e-3
 
 
@@ -88,11 +98,13 @@ def test_vllm_group_shares_its_prompts_kv_and_a_push_never_serves_the_old_one(ti
 def test_vllm_stale_weights_are_visible_and_the_push_changes_the_output(tiny, vllm_engine):
     cfg, _, _, policy, prompts = tiny
     vllm_engine.wake(push_weights_iter(policy))
-    before = [c.completion_ids for g in sample(vllm_engine, prompts, temperature=0.0, n=1) for c in g]
+    before = [c.completion_ids for g in sample(vllm_engine, prompts, temperature=0.0, n=1)
+              for c in g]
     perturb(policy, 0.2)  # not pushed: the sampler is stale
     assert trainer_gap(policy, cfg, sample(vllm_engine, prompts)) > 1e-2
     vllm_engine.wake(push_weights_iter(policy))
-    after = [c.completion_ids for g in sample(vllm_engine, prompts, temperature=0.0, n=1) for c in g]
+    after = [c.completion_ids for g in sample(vllm_engine, prompts, temperature=0.0, n=1)
+             for c in g]
     assert after != before
     assert trainer_gap(policy, cfg, sample(vllm_engine, prompts)) < 1e-3
 
@@ -106,14 +118,15 @@ def test_vllm_completions_fields(tiny, vllm_engine):
     for prompt, group in zip(prompts, groups):
         for c in group:
             assert c.prompt_ids == prompt and len(c.logprobs) == len(c.completion_ids) <= 24
-            assert c.truncated == (len(c.completion_ids) == 24 and c.completion_ids[-1] != tokenizer.eos_token_id)
+            assert c.truncated == (len(c.completion_ids) == 24 and c.completion_ids[-1]
+                                   != tokenizer.eos_token_id)
             assert c.text == tokenizer.decode(c.completion_ids, skip_special_tokens=True)
 
 
 def test_hf_engine_decodes_in_the_trainers_bf16(tiny):
-    """With dtype bfloat16 the engine decodes under the trainer's autocast: its logprobs carry bf16 rounding (they
-    differ from an fp32 engine's, which equal the fp32 trainer's), and they stay within the bf16 parity bound of
-    the bf16 trainer's."""
+    """With dtype bfloat16 the engine decodes under the trainer's autocast: its logprobs carry bf16
+    rounding (they differ from an fp32 engine's, which equal the fp32 trainer's), and they stay
+    within the bf16 parity bound of the bf16 trainer's."""
     import dataclasses
 
     cfg, _, tokenizer, policy, prompts = tiny
@@ -133,14 +146,17 @@ def test_hf_engine_parity_and_fields(tiny):
     for prompt, group in zip(prompts, groups):
         for c in group:
             assert c.prompt_ids == prompt and len(c.logprobs) == len(c.completion_ids) <= 24
-            # a completion ends at its first stop token, or at the length limit; nothing of the padding after it
+            # a completion ends at its first stop token, or at the length limit;
+            # nothing of the padding after it
             assert not any(t in engine.stop for t in c.completion_ids[:-1])
             assert c.completion_ids[-1] in engine.stop or len(c.completion_ids) == 24
-            assert c.truncated == (len(c.completion_ids) == 24 and c.completion_ids[-1] != tokenizer.eos_token_id)
+            assert c.truncated == (len(c.completion_ids) == 24 and c.completion_ids[-1]
+                                   != tokenizer.eos_token_id)
     # the engine samples from the policy object itself: a change to the policy is its next output
     before = [c.completion_ids for g in sample(engine, prompts, temperature=0.0, n=1) for c in g]
     perturb(policy, 0.2)
-    assert [c.completion_ids for g in sample(engine, prompts, temperature=0.0, n=1) for c in g] != before
+    assert ([c.completion_ids for g in sample(engine, prompts, temperature=0.0, n=1) for c in g]
+            != before)
 
 
 @requires_vllm
@@ -156,8 +172,10 @@ def test_vllm_lora_merged_push_matches_the_merged_trainer(tiny, vllm_engine):
                 p.normal_(0, 0.1)  # a trained adapter: B is no longer 0
     before = {k: v.clone() for k, v in lora.state_dict().items()}
     vllm_engine.wake(push_weights_iter(lora))
-    assert all(torch.equal(before[k], v) for k, v in lora.state_dict().items())  # the policy is untouched by a push
-    assert trainer_gap(lora, cfg, sample(vllm_engine, prompts)) < 1e-3  # the sampler has base + B A merged
+    # the policy is untouched by a push
+    assert all(torch.equal(before[k], v) for k, v in lora.state_dict().items())
+    # the sampler has base + B A merged
+    assert trainer_gap(lora, cfg, sample(vllm_engine, prompts)) < 1e-3
 
 
 # ---------------------------------------------------------------- tool calls (tools.ToolEngine)
@@ -172,11 +190,12 @@ def tool_turns(groups):
 
 
 @requires_vllm
-def test_both_engines_take_the_same_tool_turns_and_keep_parity_over_the_models_tokens(tiny, vllm_engine):
-    """Greedy, with the text of prompt 0's first greedy token(s) as the close tag, row 0 calls the (scripted)
-    tool: both engines give the same ids, masks and turns. Sampled, with 'e' as the close (most rows write
-    one soon), the sampler's logprobs of the model's tokens equal the trainer's; the tool's tokens are
-    masked out of the comparison."""
+def test_both_engines_take_the_same_tool_turns_and_keep_parity_over_the_models_tokens(
+        tiny, vllm_engine):
+    """Greedy, with the text of prompt 0's first greedy token(s) as the close tag, row 0 calls the
+    (scripted) tool: both engines give the same ids, masks and turns. Sampled, with 'e' as the
+    close (most rows write one soon), the sampler's logprobs of the model's tokens equal the
+    trainer's; the tool's tokens are masked out of the comparison."""
     from tools import ToolEngine
 
     cfg, _, tokenizer, policy, prompts = tiny
@@ -187,18 +206,21 @@ def test_both_engines_take_the_same_tool_turns_and_keep_parity_over_the_models_t
                  and "\ufffd" not in text and text not in tokenizer.decode(first[: k - 1]))
     greedy = {}
     for name, engine in (("hf", hf_engine), ("vllm", vllm_engine)):
-        tools = ToolEngine(engine, tokenizer, 2, scripted_tool, tags=("", close))  # open "": the turn is the code
+        # open "": the turn is the code
+        tools = ToolEngine(engine, tokenizer, 2, scripted_tool, tags=("", close))
         greedy[name] = tool_turns(sample(tools, prompts, temperature=0.0, n=1))
     assert greedy["hf"] == greedy["vllm"]
     assert greedy["hf"][0][0][2] >= 1  # row 0 called
     for engine in (hf_engine, vllm_engine):
-        groups = sample(ToolEngine(engine, tokenizer, 2, scripted_tool, tags=("", "e")), prompts, n=4)
+        groups = sample(ToolEngine(engine, tokenizer, 2, scripted_tool, tags=("", "e")), prompts,
+                        n=4)
         assert sum(c.tool_calls for g in groups for c in g) >= 2
         assert trainer_gap(policy, cfg, groups) < 1e-3
 
 
 def test_hf_tool_rollouts_without_a_call_are_the_plain_engines(tiny):
-    """With tools on and no call made, a completion is exactly the one-turn engine's: same seeds, same ids."""
+    """With tools on and no call made, a completion is exactly the one-turn engine's: same seeds,
+    same ids."""
     from tools import ToolEngine
 
     _, _, tokenizer, policy, prompts = tiny
@@ -206,8 +228,8 @@ def test_hf_tool_rollouts_without_a_call_are_the_plain_engines(tiny):
     plain = sample(engine, prompts, temperature=1.0, n=3)
     tools = sample(ToolEngine(engine, tokenizer, 2, scripted_tool), prompts, temperature=1.0, n=3)
     for p, t in zip((c for g in plain for c in g), (c for g in tools for c in g)):
-        assert (t.completion_ids, t.logprobs, t.truncated, t.tool_calls) == (p.completion_ids, p.logprobs,
-                                                                            p.truncated, 0)
+        got = (t.completion_ids, t.logprobs, t.truncated, t.tool_calls)
+        assert got == (p.completion_ids, p.logprobs, p.truncated, 0)
         assert t.mask == [1] * len(p.completion_ids)
 
 
@@ -328,8 +350,9 @@ def test_a_task_files_stop_strings_and_answer_are_read_and_checked(tmp_path):
 
 @requires_vllm
 def test_vllm_parity_with_untied_embeddings(tiny, tmp_path):
-    # Last of the tests on an in-process engine: vLLM keeps its parallel groups in process-global state, and
-    # tearing down this second engine tears them down under the module's shared engine too (a real run has one).
+    # Last of the tests on an in-process engine: vLLM keeps its parallel groups in process-global
+    # state, and tearing down this second engine tears them down under the module's shared engine
+    # too (a real run has one).
     cfg = tiny[0]
     path = build_tiny(str(tmp_path / "untied"), tie=False)
     _, policy = load_policy(cfg, path, "cpu")
@@ -340,7 +363,7 @@ def test_vllm_parity_with_untied_embeddings(tiny, tmp_path):
     assert trainer_gap(policy, cfg, sample(engine, tiny[4])) < 1e-3
 
 
-# ---------------------------------------------------------------- the model's generation_config, stops and seeds
+# --------------------------------------------------- the model's generation_config, stops and seeds
 
 
 def with_generation_config(path, tmp_path, **fields):
@@ -356,16 +379,18 @@ def with_generation_config(path, tmp_path, **fields):
 
 
 def test_hf_engine_ignores_the_models_sampling_defaults(tiny, tmp_path):
-    """Qwen2.5-Instruct ships repetition_penalty 1.05; transformers fills every unset setting from it. The samples
-    must follow the trainer's distribution exactly: the HF engine's own decoding loop reads only its EOS list."""
+    """Qwen2.5-Instruct ships repetition_penalty 1.05; transformers fills every unset setting from
+    it. The samples must follow the trainer's distribution exactly: the HF engine's own decoding
+    loop reads only its EOS list."""
     cfg, path, tokenizer, _, prompts = tiny
-    folder = with_generation_config(path, tmp_path, do_sample=True, repetition_penalty=3.0, no_repeat_ngram_size=2,
-                                    top_k=5, min_p=0.2)
+    folder = with_generation_config(path, tmp_path, do_sample=True, repetition_penalty=3.0,
+                                    no_repeat_ngram_size=2, top_k=5, min_p=0.2)
     _, policy = load_policy(cfg, folder, "cpu")
     assert policy.generation_config.repetition_penalty == 3.0
     engine = HFEngine(policy, tokenizer)
     assert trainer_gap(policy, cfg, sample(engine, prompts)) < 1e-3
-    assert policy.generation_config.repetition_penalty == 3.0  # restored: checkpoints keep the model's own file
+    # restored: checkpoints keep the model's own file
+    assert policy.generation_config.repetition_penalty == 3.0
 
 
 def greedy_first_token(policy, prompt):
@@ -386,12 +411,14 @@ def test_stop_tokens_are_the_tokenizers_eos_and_the_generation_configs():
 
 def test_hf_engine_stops_on_every_eos_the_model_lists(tiny, tmp_path):
     cfg, path, tokenizer, _, prompts = tiny
-    first = greedy_first_token(load_policy(cfg, path, "cpu")[1], prompts[0])  # the folder's weights (others perturb)
+    # the folder's weights (others perturb)
+    first = greedy_first_token(load_policy(cfg, path, "cpu")[1], prompts[0])
     assert first != tokenizer.eos_token_id
     folder = with_generation_config(path, tmp_path, eos_token_id=[tokenizer.eos_token_id, first])
     _, listed = load_policy(cfg, folder, "cpu")
     got = sample(HFEngine(listed, tokenizer), prompts[:1], temperature=0.0, n=1)[0][0]
-    assert got.completion_ids == [first] and not got.truncated  # stopped on the second listed EOS, kept it
+    # stopped on the second listed EOS, kept it
+    assert got.completion_ids == [first] and not got.truncated
 
 
 VLLM_SCRIPT = """
@@ -399,14 +426,16 @@ import json, sys
 from config import load_config
 from grpo import row_seeds
 from rollout import VLLMEngine
-cfg = load_config(overrides=["--model=tiny", "--dtype=float32", "--max_prompt_len=64", "--max_completion_len=24",
-                             "--micro_batch_tokens=256", "--seed=0"])
+cfg = load_config(overrides=["--model=tiny", "--dtype=float32", "--max_prompt_len=64",
+                             "--max_completion_len=24", "--micro_batch_tokens=256", "--seed=0"])
 engine = VLLMEngine(sys.argv[1], cfg, "cpu")
 prompts = json.loads(sys.argv[2])
 def ids(seeds, temperature=1.0, n=4):
-    groups = engine.generate(prompts, n, seeds=seeds, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=24)
+    groups = engine.generate(prompts, n, seeds=seeds, temperature=temperature, top_p=1.0, top_k=-1,
+                             max_tokens=24)
     return [[c.completion_ids for c in g] for g in groups]
-rank0, rank1 = row_seeds((0, "train", 3), 0, 2, 4), row_seeds((0, "train", 3), 2, 2, 4)  # two ranks' rows
+# two ranks' rows
+rank0, rank1 = row_seeds((0, "train", 3), 0, 2, 4), row_seeds((0, "train", 3), 2, 2, 4)
 print("RESULT " + json.dumps({"rank0": ids(rank0), "rank1": ids(rank1), "rank0_again": ids(rank0),
                               "greedy": ids([0, 0], temperature=0.0, n=1), "stop": engine.stop}))
 """
@@ -415,22 +444,25 @@ print("RESULT " + json.dumps({"rank0": ids(rank0), "rank1": ids(rank1), "rank0_a
 @requires_vllm
 @pytest.mark.slow
 def test_vllm_seeds_survive_a_fresh_engine_and_stops_match_the_hf_engine(tiny, tmp_path):
-    """Resume starts a fresh engine: the same seeds must give the same completions, and other ranks' seeds
-    other completions. Each engine runs in its own process (vLLM's parallel state is process-global)."""
+    """Resume starts a fresh engine: the same seeds must give the same completions, and other ranks'
+    seeds other completions. Each engine runs in its own process (vLLM's parallel state is
+    process-global)."""
     import json
     import subprocess
     import sys
 
     cfg, path, tokenizer, _, prompts = tiny
-    first = greedy_first_token(load_policy(cfg, path, "cpu")[1], prompts[0])  # the weights the engine loads
+    # the weights the engine loads
+    first = greedy_first_token(load_policy(cfg, path, "cpu")[1], prompts[0])
     folder = with_generation_config(path, tmp_path, eos_token_id=[tokenizer.eos_token_id, first])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def run():
-        proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, folder, json.dumps(prompts)], capture_output=True,
-                              text=True, cwd=root, timeout=300)
+        proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, folder, json.dumps(prompts)],
+                              capture_output=True, text=True, cwd=root, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+        result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+        return json.loads(result[7:])
 
     a, b = run(), run()
     assert a["rank0"] == b["rank0"] and a["rank1"] == b["rank1"]  # a fresh engine, the same samples
@@ -441,22 +473,26 @@ def test_vllm_seeds_survive_a_fresh_engine_and_stops_match_the_hf_engine(tiny, t
 
 
 def test_hf_engine_batches_prompts_yet_each_row_follows_its_own_seed(tiny):
-    """Every prompt of a call in one left-padded batch, yet each row is drawn from its own seed alone: two
-    ranks' halves sampled apart give one process's samples, a fresh engine the same ones, other seeds others,
-    and a row moved to another place in the call (other seeds around it) keeps its sample."""
+    """Every prompt of a call in one left-padded batch, yet each row is drawn from its own seed
+    alone: two ranks' halves sampled apart give one process's samples, a fresh engine the same ones,
+    other seeds others, and a row moved to another place in the call (other seeds around it) keeps
+    its sample."""
     from grpo import row_seeds
 
     cfg, _, tokenizer, policy, prompts = tiny
     assert len(prompts[0]) != len(prompts[1])  # the batch is padded
 
     def ids(engine, ps, seeds, n=3):
-        groups = engine.generate(ps, n, seeds=seeds, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=24)
+        groups = engine.generate(ps, n, seeds=seeds, temperature=1.0, top_p=1.0, top_k=-1,
+                                 max_tokens=24)
         return [[c.completion_ids for c in g] for g in groups]
 
     engine, seeds = HFEngine(policy, tokenizer), row_seeds((0, "train", 3), 0, 2, 3)
     both = ids(engine, prompts, seeds)
-    assert both == ids(engine, prompts[:1], seeds[:3]) + ids(engine, prompts[1:], seeds[3:])  # 1 rank == 2 ranks
-    assert both == ids(HFEngine(policy, tokenizer), prompts, seeds)  # a fresh engine (a resumed run)
+    # 1 rank == 2 ranks
+    assert both == ids(engine, prompts[:1], seeds[:3]) + ids(engine, prompts[1:], seeds[3:])
+    # a fresh engine (a resumed run)
+    assert both == ids(HFEngine(policy, tokenizer), prompts, seeds)
     assert both != ids(engine, prompts, [s + 100 for s in seeds])
     assert len({tuple(row) for row in both[0]}) > 1  # a group's rows are not copies of each other
     # row 2 of prompt 1 alone, as row 0 of a one-row call: the same sample from the same seed
@@ -464,8 +500,9 @@ def test_hf_engine_batches_prompts_yet_each_row_follows_its_own_seed(tiny):
 
 
 def test_sample_next_draws_each_token_with_its_probability():
-    """20,000 rows of probs 0.1, 0.2, 0.3, 0.4 (and a masked fifth): each token's share is its probability within
-    the sampling error (4 sigma); the masked token (p = 0) and nothing outside the vocabulary is ever drawn."""
+    """20,000 rows of probs 0.1, 0.2, 0.3, 0.4 (and a masked fifth): each token's share is its
+    probability within the sampling error (4 sigma); the masked token (p = 0) and nothing outside
+    the vocabulary is ever drawn."""
     import math
 
     from rollout import sample_next
@@ -473,7 +510,8 @@ def test_sample_next_draws_each_token_with_its_probability():
     probs = (0.1, 0.2, 0.3, 0.4)
     n = 20_000
     logits = torch.tensor([[math.log(p) for p in probs] + [-float("inf")]]).repeat(n, 1)
-    tokens, _ = sample_next(logits, 1.0, 1.0, -1, [torch.Generator().manual_seed(i) for i in range(n)])
+    tokens, _ = sample_next(logits, 1.0, 1.0, -1,
+                            [torch.Generator().manual_seed(i) for i in range(n)])
     counts = torch.bincount(tokens, minlength=5).tolist()
     assert counts[4] == 0 and sum(counts) == n
     for count, p in zip(counts, probs):
@@ -481,7 +519,8 @@ def test_sample_next_draws_each_token_with_its_probability():
 
 
 def test_sample_next_keeps_top_k_and_top_p_and_renormalises():
-    """probs 0.1, 0.2, 0.3, 0.4: top_k=2 and top_p=0.5 both keep {0.3, 0.4} -> 3/7, 4/7; top_p=0.8 drops only 0.1."""
+    """probs 0.1, 0.2, 0.3, 0.4: top_k=2 and top_p=0.5 both keep {0.3, 0.4} -> 3/7, 4/7;
+    top_p=0.8 drops only 0.1."""
     import math
 
     from rollout import sample_next
@@ -489,7 +528,8 @@ def test_sample_next_keeps_top_k_and_top_p_and_renormalises():
     logits = torch.tensor([[math.log(p) for p in (0.1, 0.2, 0.3, 0.4)]]).repeat(400, 1)
     generators = [torch.Generator().manual_seed(i) for i in range(400)]
     for top_p, top_k, kept in [(1.0, 2, {2: 3 / 7, 3: 4 / 7}), (0.5, -1, {2: 3 / 7, 3: 4 / 7}),
-                               (0.8, -1, {1: 2 / 9, 2: 3 / 9, 3: 4 / 9}), (1.0, -1, {0: 0.1, 1: 0.2, 2: 0.3, 3: 0.4})]:
+                               (0.8, -1, {1: 2 / 9, 2: 3 / 9, 3: 4 / 9}),
+                               (1.0, -1, {0: 0.1, 1: 0.2, 2: 0.3, 3: 0.4})]:
         tokens, logprobs = sample_next(logits, 1.0, top_p, top_k, generators)
         assert set(tokens.tolist()) == set(kept)  # 400 draws reach every kept token, and no other
         for t, lp in zip(tokens.tolist(), logprobs.tolist()):
@@ -500,7 +540,8 @@ def test_sample_next_keeps_top_k_and_top_p_and_renormalises():
 
 
 class FakeLLM:
-    """vLLM's LLM.generate as the engine calls it: each sample's one token is its seed (or -1 without one)."""
+    """vLLM's LLM.generate as the engine calls it: each sample's one token is its seed
+    (or -1 without one)."""
 
     def __init__(self):
         self.calls = []
@@ -508,34 +549,38 @@ class FakeLLM:
     def generate(self, requests, params, use_tqdm=False):
         from types import SimpleNamespace
 
-        self.calls.append([(r["prompt_token_ids"], p.n, p.seed, p.max_tokens) for r, p in zip(requests, params)])
+        self.calls.append([(r["prompt_token_ids"], p.n, p.seed, p.max_tokens)
+                           for r, p in zip(requests, params)])
         return [SimpleNamespace(prompt_token_ids=r["prompt_token_ids"], outputs=[
-            SimpleNamespace(token_ids=[p.seed if p.seed is not None else -1], logprobs=None, finish_reason="stop",
-                            stop_reason=None) for _ in range(p.n)]) for r, p in zip(requests, params)]
+            SimpleNamespace(token_ids=[p.seed if p.seed is not None else -1], logprobs=None,
+                            finish_reason="stop", stop_reason=None) for _ in range(p.n)])
+                for r, p in zip(requests, params)]
 
 
 @requires_vllm
 def test_vllm_on_a_gpu_asks_for_each_row_with_its_own_seed(tiny):
-    """On a GPU each row is a request of its own with its seed (vLLM's n samples of one request would get
-    seed, seed + 1, ...); the rows come back n per prompt in order. On a CPU: one request of n per prompt,
-    the call seeded from its first row's seed."""
+    """On a GPU each row is a request of its own with its seed (vLLM's n samples of one request
+    would get seed, seed + 1, ...); the rows come back n per prompt in order. On a CPU: one request
+    of n per prompt, the call seeded from its first row's seed."""
     from types import SimpleNamespace
 
     engine = VLLMEngine.__new__(VLLMEngine)  # no engine start: the request plumbing only
     engine.llm, engine.group, engine.stop = FakeLLM(), None, [0]
     engine.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: str(ids))
     engine.per_request_seed = True
-    groups = engine.generate([[1, 2], [3]], 2, seeds=[101, 102, 103, 104], temperature=1.0, top_p=1.0, top_k=-1,
-                             max_tokens=[5, 6])
-    assert engine.llm.calls[-1] == [([1, 2], 1, 101, 5), ([1, 2], 1, 102, 5), ([3], 1, 103, 6), ([3], 1, 104, 6)]
+    groups = engine.generate([[1, 2], [3]], 2, seeds=[101, 102, 103, 104], temperature=1.0,
+                             top_p=1.0, top_k=-1, max_tokens=[5, 6])
+    assert engine.llm.calls[-1] == [([1, 2], 1, 101, 5), ([1, 2], 1, 102, 5), ([3], 1, 103, 6),
+                                    ([3], 1, 104, 6)]
     assert [[(c.prompt_ids, c.completion_ids) for c in g] for g in groups] == [
         [([1, 2], [101]), ([1, 2], [102])], [([3], [103]), ([3], [104])]]
     engine.per_request_seed = False
-    groups = engine.generate([[1, 2], [3]], 2, seeds=[101, 102, 103, 104], temperature=1.0, top_p=1.0, top_k=-1,
-                             max_tokens=8)
+    groups = engine.generate([[1, 2], [3]], 2, seeds=[101, 102, 103, 104], temperature=1.0,
+                             top_p=1.0, top_k=-1, max_tokens=8)
     assert engine.llm.calls[-1] == [([1, 2], 2, None, 8), ([3], 2, None, 8)]
     assert [[c.prompt_ids for c in g] for g in groups] == [[[1, 2], [1, 2]], [[3], [3]]]
-    assert torch.initial_seed() == 101  # the CPU path seeded torch's generator from the first row's seed
+    # the CPU path seeded torch's generator from the first row's seed
+    assert torch.initial_seed() == 101
 
 
 def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
@@ -544,7 +589,7 @@ def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
     line saying it is not installed."""
     import builtins
 
-    import rollout
+    import preflight
 
     real_import = builtins.__import__
 
@@ -553,17 +598,17 @@ def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
             raise ImportError("libcudart.so.12: cannot open shared object file\nmore detail")
         return real_import(name, *args, **kwargs)
 
-    monkeypatch.setattr(rollout, "vllm_available", lambda: True)  # the package is there
+    monkeypatch.setattr(preflight, "vllm_available", lambda: True)  # the package is there
     monkeypatch.setattr(builtins, "__import__", broken)
-    assert rollout.auto_engine() == "hf"
+    assert preflight.auto_engine() == "hf"
     assert capsys.readouterr().out == (
         "engine=auto: vLLM is installed but does not import (ImportError: libcudart.so.12: cannot "
         "open shared object file; --engine=vllm shows it all); sampling with the HF engine\n")
     monkeypatch.setattr(builtins, "__import__", real_import)
-    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
-    assert rollout.auto_engine() == "hf"
+    monkeypatch.setattr(preflight, "vllm_available", lambda: False)
+    assert preflight.auto_engine() == "hf"
     out = capsys.readouterr().out
     assert out == "engine=auto: vLLM is not installed; sampling with the HF engine\n"
-    monkeypatch.setattr(rollout, "vllm_available", lambda: True)
+    monkeypatch.setattr(preflight, "vllm_available", lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # one that imports
-    assert rollout.auto_engine() == "vllm" and capsys.readouterr().out == ""
+    assert preflight.auto_engine() == "vllm" and capsys.readouterr().out == ""

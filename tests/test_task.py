@@ -1,4 +1,5 @@
-"""Tasks as one file each (task.py, tasks/, data/files.py): loading, datasets, prompts, the guarded reward.
+"""Tasks as one file each (task.py, tasks/, data/files.py): loading, datasets, prompts,
+the guarded reward.
 
     pytest tests/test_task.py
 """
@@ -16,7 +17,7 @@ import preflight
 import task as task_module
 from config import ConfigError, load_config
 from data.files import DataError
-from task import check_task_output, load_problems, load_task, prompt_text, replay, run_rewards, score, tokenize_prompts
+from task import check_task_output, load_problems, load_task, replay, run_rewards, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "config", "tiny.py")
@@ -41,41 +42,50 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-# ---------------------------------------------------------------- the README's example, and the built-in tasks
+# ----------------------------------------------------- the README's example, and the built-in tasks
 
 
 def test_the_example_task_file_scores_what_it_says():
     cfg, task = setup(f"--task={ROOT}/tasks/larger.py")
     train, test = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
     assert len(train) == 500 and len(test) == 60
-    pairs = lambda ps: {tuple(sorted((p["a"], p["b"]))) for p in ps}  # noqa: E731  (a or b, b or a: one problem)
+
+    def pairs(ps):  # a or b, b or a: one problem
+        return {tuple(sorted((p["a"], p["b"]))) for p in ps}
+
     assert len(pairs(train)) == 500 and not pairs(train) & pairs(test)
     p = {"id": "x", "a": 37, "b": 52}
     texts = ["52", "37", "Comparing the hundreds, then the tens: it is 52"]
     rewards, comps = score(task, texts, [p] * 3, [1, 1, 12], cfg)
-    # correct 1 + brief 0.1 (its weight 1); the task reports no "format" or "parsed": no format credit, no penalty
+    # correct 1 + brief 0.1 (its weight 1); the task reports no "format" or "parsed":
+    # no format credit, no penalty
     assert rewards.tolist() == pytest.approx([1.1, 0.1, 1.0])
-    assert comps["correct"].tolist() == [1.0, 0.0, 1.0] and comps["brief"].tolist() == pytest.approx([0.1, 0.1, 0.0])
+    assert (comps["correct"].tolist() == [1.0, 0.0, 1.0]
+            and comps["brief"].tolist() == pytest.approx([0.1, 0.1, 0.0]))
     cfg.component_weights = {"brief": 0.0}  # reward_weights=brief:0
-    assert score(task, texts, [p] * 3, [1, 1, 12], cfg)[0].tolist() == pytest.approx([1.0, 0.0, 1.0])
+    rewards = score(task, texts, [p] * 3, [1, 1, 12], cfg)[0]
+    assert rewards.tolist() == pytest.approx([1.0, 0.0, 1.0])
 
 
 def test_builtin_tasks_are_task_files(tokenizer):
     """Each built-in task loads like a user's file and scores its own known answers."""
     known = {
         "countdown": lambda p: f"<think>k</think><answer>{p['solution']}</answer>",
-        "countdown_base": lambda p: f" k</think><answer>{p['solution']}</answer>",  # "<think>" is the prompt's
+        # "<think>" is the prompt's
+        "countdown_base": lambda p: f" k</think><answer>{p['solution']}</answer>",
         "math": lambda p: f"<think>k</think><answer>\\boxed{{{p['answer']}}}</answer>",
         "digits": lambda p: "1234",
         "code": lambda p: f"<think>k</think><answer>```python\n{p['solution']}\n```</answer>",
-        "multiply": lambda p: f"```python\nprint(1)\n```\n\n<output>\n{p['answer']}\n</output>\nIt is {p['answer']}.",
+        "multiply": lambda p: f"```python\nprint(1)\n```\n\n<output>\n{p['answer']}\n</output>\nIt "
+                              f"is {p['answer']}.",
     }
-    assert set(known) | {"dataset", "gsm8k", "larger", "reasoning_gym"} == set(task_module.builtin_tasks())
+    assert set(known) | {"dataset", "gsm8k", "larger",
+                         "reasoning_gym"} == set(task_module.builtin_tasks())
     for name, answer in known.items():
         cfg, task = setup(f"--task={name}", "--train_size=12", "--test_size=4")
         problems = load_problems(cfg, task, "train")
         assert len(problems) == 12 and len({p["id"] for p in problems}) == 12
-        assert isinstance(prompt_text(tokenizer, task, problems[0]), str)
+        assert isinstance(task_module.prompt_text(tokenizer, task, problems[0]), str)
         rewards, comps = score(task, [answer(p) for p in problems[:3]], problems[:3], [10] * 3, cfg)
         assert comps["correct"].tolist() == [1.0] * 3, name
         assert comps["errors"].tolist() == [0.0] * 3
@@ -89,7 +99,8 @@ def test_a_1000_completion_batch_scores_each_completion():
     rewards, comps = score(task, texts, [p] * 1000, [50] * 1000, cfg)
     assert comps["correct"].tolist() == [1.0, 0.0, 0.0, 0.0] * 250
     assert comps["parsed"].tolist() == [1.0, 1.0, 0.0, 0.0] * 250
-    assert rewards.tolist()[:4] == pytest.approx([1.1, 0.1, -0.1, -0.2])  # numbers_valid: weight 0 (WEIGHTS)
+    # numbers_valid: weight 0 (WEIGHTS)
+    assert rewards.tolist()[:4] == pytest.approx([1.1, 0.1, -0.1, -0.2])
 
 
 def test_code_problems_are_solvable_and_their_tests_are_exact():
@@ -101,10 +112,11 @@ def test_code_problems_are_solvable_and_their_tests_are_exact():
     cfg.reward_workers = 4
     rewards, comps = score(task, right + off_by_one, problems * 2, [10] * 80, cfg)
     assert comps["correct"].tolist()[:40] == [1.0] * 40
-    assert max(comps["correct"].tolist()[40:]) < 1.0  # a reference shifted by one fails some test of its problem
+    # a reference shifted by one fails some test of its problem
+    assert max(comps["correct"].tolist()[40:]) < 1.0
 
 
-# ---------------------------------------------------------------- datasets: JSONL, Parquet, CSV, datasets folders
+# -------------------------------------------------- datasets: JSONL, Parquet, CSV, datasets folders
 
 MATH_ROWS = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(60)]
 CODE_ROW = {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3"], "id": "add"}
@@ -126,7 +138,8 @@ def write_dataset(folder, kind, rows):
         with open(path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
             writer.writeheader()
-            writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()} for r in rows)
+            writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()}
+                             for r in rows)
     elif kind == "parquet":
         path = os.path.join(folder, "mine.parquet")
         pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
@@ -138,8 +151,8 @@ def write_dataset(folder, kind, rows):
         path = os.path.join(folder, "hub_layout")
         os.makedirs(os.path.join(path, "data"))
         for split, part in (("train", rows[:50]), ("test", rows[50:])):
-            pyarrow.parquet.write_table(pyarrow.Table.from_pylist(part),
-                                        os.path.join(path, "data", f"{split}-00000-of-00001.parquet"))
+            name = os.path.join(path, "data", f"{split}-00000-of-00001.parquet")
+            pyarrow.parquet.write_table(pyarrow.Table.from_pylist(part), name)
     return path
 
 
@@ -150,9 +163,11 @@ def test_each_data_format_loads(tmp_path, kind):
     train, test = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
     questions = lambda ps: [p["question"] for p in ps]  # noqa: E731
     if kind.startswith("datasets"):  # the dataset's own splits, in order
-        assert questions(train) == questions(MATH_ROWS[:50]) and questions(test) == questions(MATH_ROWS[50:])
+        assert (questions(train) == questions(MATH_ROWS[:50])
+                and questions(test) == questions(MATH_ROWS[50:]))
     else:  # ~10% by a hash of each row's content: disjoint, and the same on every load
-        assert sorted(questions(train + test)) == sorted(questions(MATH_ROWS)) and 0 < len(test) < 20
+        assert (sorted(questions(train + test)) == sorted(questions(MATH_ROWS))
+                and 0 < len(test) < 20)
         assert questions(load_problems(cfg, task, "test")) == questions(test)
     p = train[0]
     right = f"<think>k</think><answer>\\boxed{{{p['answer']}}}</answer>"
@@ -160,14 +175,16 @@ def test_each_data_format_loads(tmp_path, kind):
 
 
 def test_a_jsonl_file_mixes_math_and_code_rows(tmp_path):
-    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(30)] + [CODE_ROW] * 10
+    rows = ([{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(30)] + [CODE_ROW]
+            * 10)
     cfg, task = setup(f"--task={write_dataset(tmp_path, 'jsonl', rows)}", "--test_size=100")
     problems = load_problems(cfg, task, "train") + load_problems(cfg, task, "test")
     code = [p for p in problems if "tests" in p]
     assert code and code[0]["tests"] == CODE_ROW["tests"]
     solved = "<think>k</think><answer>```python\ndef add(a, b):\n    return a + b\n```</answer>"
     assert score(task, [solved], [code[0]], [9], cfg)[1]["correct"].tolist() == [1.0]
-    assert task.prompt({"prompt": "What is 2?", "answer": "2"}) == [{"role": "user", "content": "What is 2?"}]
+    want = [{"role": "user", "content": "What is 2?"}]
+    assert task.prompt({"prompt": "What is 2?", "answer": "2"}) == want
 
 
 def test_a_csv_code_dataset_reads_its_tests_as_lists(tmp_path):
@@ -179,13 +196,16 @@ def test_a_csv_code_dataset_reads_its_tests_as_lists(tmp_path):
 def test_columns_are_renamed_by_the_setting(tmp_path):
     rows = [{"problem": f"What is {i} + 2?", "solution": str(i + 2)} for i in range(40)]
     path = write_dataset(tmp_path, "jsonl", rows)
-    cfg, task = setup("--task=math", f"--data_path={path}", "--data_columns=problem:question,solution:answer")
+    cfg, task = setup("--task=math", f"--data_path={path}",
+                      "--data_columns=problem:question,solution:answer")
     p = load_problems(cfg, task, "train")[0]
     assert set(p) == {"question", "answer", "id"} and p["id"].startswith("mine.jsonl:")
     # "question" gets the task's instructions, after its worked example
-    assert task.prompt(p)[-1]["content"] == f"{p['question']} Put your final answer within \\boxed{{}}."
+    want = f"{p['question']} Put your final answer within \\boxed{{}}."
+    assert task.prompt(p)[-1]["content"] == want
     with pytest.raises(DataError, match="line 1: no column 'problem'"):
-        cfg, task = setup("--task=math", f"--data_path={write_dataset(tmp_path / 'b', 'jsonl', MATH_ROWS)}",
+        cfg, task = setup("--task=math",
+                          f"--data_path={write_dataset(tmp_path / 'b', 'jsonl', MATH_ROWS)}",
                           "--data_columns=problem:question")
         load_problems(cfg, task, "train")
 
@@ -268,32 +288,39 @@ def test_gsm8k_task_and_run_file_on_a_local_parquet(tmp_path):
     rows = [{"question": f"Natalia sold {i} clips, then as many again. How many?",
              "answer": f"{i} + {i} = {2 * i}\n#### {2 * i:,}"} for i in range(500, 560)]
     path = write_dataset(tmp_path, "datasets_files", rows)
-    cfg, task = setup(f"--data_path={path}", "--data_name=", path=os.path.join(ROOT, "config", "gsm8k_3b.py"))
-    preflight.preflight(load_config(os.path.join(ROOT, "config", "gsm8k_3b.py"), ["--device_memory_gb=80"]))
+    cfg, task = setup(f"--data_path={path}", "--data_name=",
+                      path=os.path.join(ROOT, "config", "gsm8k_3b.py"))
+    preflight.preflight(load_config(os.path.join(ROOT, "config", "gsm8k_3b.py"),
+                                    ["--device_memory_gb=80"]))
     train, test = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
-    assert len(train) == 50 and len(test) == 10  # the dataset's own splits (train_size 7473 caps nothing here)
+    # the dataset's own splits (train_size 7473 caps nothing here)
+    assert len(train) == 50 and len(test) == 10
     p = train[0]  # 500 + 500 = 1000, written "#### 1,000"
-    texts = ["<think>500 and 500</think><answer>1000</answer>", "<think>twice</think><answer>1,000</answer>",
+    texts = ["<think>500 and 500</think><answer>1000</answer>",
+             "<think>twice</think><answer>1,000</answer>",
              "so 500 + 500 = 1000", "<think>x</think><answer>999</answer>"]
     assert score(task, texts, [p] * 4, [9] * 4, cfg)[1]["correct"].tolist() == [1.0, 1.0, 1.0, 0.0]
 
 
-# ---------------------------------------------------------------- prompts: chat, raw (R1-Zero), a prefix
+# ----------------------------------------------------------- prompts: chat, raw (R1-Zero), a prefix
 
 
 def test_a_raw_prompt_with_a_completion_prefix(tokenizer):
     cfg, task = setup("--task=countdown_base")
     p = {"id": "c", "numbers": [2, 5, 6], "target": 20}
-    text = prompt_text(tokenizer, task, p)
+    text = task_module.prompt_text(tokenizer, task, p)
     assert text.startswith("A conversation between User and Assistant.")
-    assert text.endswith("Assistant: Let me solve this step by step.\n<think>")  # TinyZero's, no chat template
-    ids = tokenize_prompts(tokenizer, task, [p], 512)[0]
+    # TinyZero's, no chat template
+    assert text.endswith("Assistant: Let me solve this step by step.\n<think>")
+    ids = task_module.tokenize_prompts(tokenizer, task, [p], 512)[0]
     assert tokenizer.decode(ids) == text
-    # the reward sees "<think>" in front of what the model wrote, and the turn up to </answer> (base models ramble)
+    # the reward sees "<think>" in front of what the model wrote, and the turn up to </answer>
+    # (base models ramble)
     completion = " 6 - 2 = 4, 4 * 5 = 20.</think> <answer>(6 - 2) * 5</answer>\nUser: thanks"
     comps = score(task, [completion], [p], [20], cfg)[1]
     assert comps["correct"].tolist() == [1.0] and comps["format"].tolist() == [1.0]
-    cfg_i, instruct = setup("--task=countdown")  # the instruct task judges the completion as it stands
+    # the instruct task judges the completion as it stands
+    cfg_i, instruct = setup("--task=countdown")
     assert score(instruct, [completion], [p], [20], cfg_i)[1]["format"].tolist() == [0.0]
 
 
@@ -302,16 +329,18 @@ def test_a_chat_prompt_with_a_completion_prefix_opens_the_assistant_turn(tokeniz
     path.write_text('COMPLETION_PREFIX = "<think>"\n'
                     'def problems(split, n, seed):\n    return [{"id": str(i)} for i in range(n)]\n'
                     'def prompt(problem):\n    return [{"role": "user", "content": "Think."}]\n'
-                    'def reward(completion, problem):\n    return float(completion.startswith("<think>"))\n')
+                    'def reward(completion, problem):\n    return '
+                    'float(completion.startswith("<think>"))\n')
     cfg, task = setup(f"--task={path}")
-    text = prompt_text(tokenizer, task, {"id": "0"})
-    plain = tokenizer.apply_chat_template([{"role": "user", "content": "Think."}], add_generation_prompt=True,
-                                          tokenize=False)
-    assert text.startswith(plain) and text.endswith("<think>")  # the assistant's turn begun, not closed
+    text = task_module.prompt_text(tokenizer, task, {"id": "0"})
+    plain = tokenizer.apply_chat_template([{"role": "user", "content": "Think."}],
+                                          add_generation_prompt=True, tokenize=False)
+    # the assistant's turn begun, not closed
+    assert text.startswith(plain) and text.endswith("<think>")
     assert score(task, ["ok</think>"], [{"id": "0"}], [3], cfg)[0].tolist() == [1.0]
 
 
-# ---------------------------------------------------------------- a task file with faults, a reward with faults
+# ---------------------------------------------------- a task file with faults, a reward with faults
 
 
 def write_task(tmp_path, body, name="mytask.py"):
@@ -320,8 +349,10 @@ def write_task(tmp_path, body, name="mytask.py"):
     return str(path)
 
 
-PROBLEMS = 'def problems(split, n, seed):\n    return [{"id": f"{split}{i}", "i": i} for i in range(n)]\n'
-PROMPT = 'def prompt(problem):\n    return [{"role": "user", "content": f"Count to {problem[\'i\']}:"}]\n'
+PROBLEMS = ('def problems(split, n, seed):\n    return [{"id": f"{split}{i}", "i": i} for i in '
+            'range(n)]\n')
+PROMPT = ('def prompt(problem):\n    return [{"role": "user", "content": f"Count to '
+          '{problem[\'i\']}:"}]\n')
 
 
 @pytest.mark.parametrize(
@@ -349,18 +380,22 @@ def test_a_task_and_its_settings_are_checked_when_it_loads(tmp_path, overrides, 
 
 def test_a_faulty_task_file_fails_in_preflight_naming_the_file_and_the_function(tmp_path):
     path = write_task(tmp_path, PROBLEMS + PROMPT)
-    with pytest.raises(ConfigError, match=r"mytask.py defines no function reward\(completion, problem\)"):
+    with pytest.raises(ConfigError,
+                       match=r"mytask.py defines no function reward\(completion, problem\)"):
         setup(f"--task={path}")
     for body, message in [
-        (PROBLEMS + PROMPT + "def reward(completion, problem):\n    return 'yes'\n", r"reward\(\) wrong type"),
-        (PROBLEMS + PROMPT + "def reward(completion, problem):\n    return float('nan')\n", "non-finite"),
+        (PROBLEMS + PROMPT + "def reward(completion, problem):\n    return 'yes'\n",
+         r"reward\(\) wrong type"),
+        (PROBLEMS + PROMPT + "def reward(completion, problem):\n    return float('nan')\n",
+         "non-finite"),
         (PROBLEMS + "def prompt(problem):\n    return 42\n" + "def reward(c, p):\n    return 1.0\n",
          r"prompt\(\) returned 42 for problem train0"),
-        ("def problems(split, n, seed):\n    return {}\n" + PROMPT + "def reward(c, p):\n    return 1.0\n",
-         "must return a non-empty list of dicts"),
+        ("def problems(split, n, seed):\n    return {}\n" + PROMPT
+         + "def reward(c, p):\n    return 1.0\n", "must return a non-empty list of dicts"),
     ]:
         path = write_task(tmp_path, body)
-        with pytest.raises(ConfigError, match=message):  # grpo.main: before any model folder is built
+        # grpo.main: before any model folder is built
+        with pytest.raises(ConfigError, match=message):
             grpo.main(["--config", TINY, f"--out_dir={tmp_path}/run", f"--task={path}"])
         assert not os.path.exists(tmp_path / "run" / "tiny_model")
 
@@ -425,10 +460,10 @@ def test_a_huge_prompt_fails_before_it_is_tokenised(tokenizer, tmp_path):
             return tokenizer(text, **kwargs)
 
     with pytest.raises(ConfigError, match="prompt train0 has 1000000 characters, more than max"):
-        tokenize_prompts(Spy(), task, load_problems(cfg, task, "train")[:1], 64)
+        task_module.tokenize_prompts(Spy(), task, load_problems(cfg, task, "train")[:1], 64)
     assert seen == []
     short = {"id": "s", "repeat": 3}  # one that may fit is tokenised as before
-    assert tokenize_prompts(Spy(), task, [short], 64) == [tokenizer("7 7 7 ").input_ids]
+    assert task_module.tokenize_prompts(Spy(), task, [short], 64) == [tokenizer("7 7 7 ").input_ids]
     assert seen == [len(task.prompt(short))]
 
 
@@ -450,24 +485,29 @@ def test_a_raising_hanging_dying_or_mistyped_reward_fails_only_its_completion(mo
     assert got[:6] == [{"len": 1.0}, "error", {"len": 2.0}, "timeout", {"len": 3.0}, "error"]
     assert got[6].startswith("wrong type") and got[7:] == [{"len": 4.0}, "error"]
     err = capsys.readouterr().err
-    assert err.count("Traceback") == 1 and "a bug in a user's reward" in err  # each kind printed once
+    # each kind printed once
+    assert err.count("Traceback") == 1 and "a bug in a user's reward" in err
     assert "reward_timeout=1.0" in err and "returned the wrong type" in err
-    assert run_rewards(reward, ["raise", "a"], [{}] * 2, timeout=0) == ["error", {"len": 1.0}]  # in-process
+    # in-process
+    assert run_rewards(reward, ["raise", "a"], [{}] * 2, timeout=0) == ["error", {"len": 1.0}]
     assert "Traceback" not in capsys.readouterr().err
 
 
 def test_a_raising_and_a_hanging_reward_leave_the_run_going(tmp_path):
-    """Problem 0's reward raises and problem 1's hangs, on every completion: both score 0, are counted in
-    reward/errors (timeouts also in reward/timeouts), and the run trains on and saves its checkpoint."""
+    """Problem 0's reward raises and problem 1's hangs, on every completion: both score 0, are
+    counted in reward/errors (timeouts also in reward/timeouts), and the run trains on and saves its
+    checkpoint."""
     path = write_task(tmp_path, "import time\n" + PROBLEMS + PROMPT + (
         "def reward(completion, problem):\n"
         "    if problem['i'] == 0:\n        raise ValueError('this reward has a bug')\n"
         "    if problem['i'] == 1:\n        time.sleep(60)\n"
         "    return {'correct': float(any(c.isdigit() for c in completion))}\n"))
-    grpo.main(["--config", TINY, f"--out_dir={tmp_path}/run", f"--task={path}", "--engine=hf", "--train_size=4",
-               "--test_size=3", "--max_steps=2", "--eval_every=0", "--eval_n=2", "--reward_timeout=0.5"])
+    grpo.main(["--config", TINY, f"--out_dir={tmp_path}/run", f"--task={path}", "--engine=hf",
+               "--train_size=4", "--test_size=3", "--max_steps=2", "--eval_every=0", "--eval_n=2",
+               "--reward_timeout=0.5"])
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [(m["reward/errors"], m["reward/timeouts"]) for m in metrics] == [(8, 4), (8, 4)]  # 4 prompts x G=4
+    # 4 prompts x G=4
+    assert [(m["reward/errors"], m["reward/timeouts"]) for m in metrics] == [(8, 4), (8, 4)]
     assert metrics[-1]["eval/pass@1_greedy"] in (0.0, 1 / 3)  # test problem 2 scores; 0 and 1 fail
     assert os.path.isdir(tmp_path / "run" / "ckpt_000002")
 
@@ -477,35 +517,43 @@ def test_a_raising_and_a_hanging_reward_leave_the_run_going(tmp_path):
 
 @pytest.mark.slow
 def test_three_steps_on_the_example_task_file(tmp_path):
-    grpo.main(["--config", TINY, f"--out_dir={tmp_path}", f"--task={ROOT}/tasks/larger.py", "--engine=hf",
+    grpo.main(["--config", TINY, f"--out_dir={tmp_path}", f"--task={ROOT}/tasks/larger.py",
+               "--engine=hf",
                "--max_steps=3", "--eval_every=0", "--test_size=8", "--sample_every=1"])
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    assert all("reward/correct" in m and "reward/brief" in m and m["reward/errors"] == 0 for m in metrics)
-    assert "eval/pass@4" in metrics[-1] and "eval/format" not in metrics[-1]  # the task reports no format
-    assert replay(str(tmp_path / "samples.jsonl")) == 0  # the saved rollouts re-score the same through the task
+    assert all("reward/correct" in m and "reward/brief" in m
+               and m["reward/errors"] == 0 for m in metrics)
+    # the task reports no format
+    assert "eval/pass@4" in metrics[-1] and "eval/format" not in metrics[-1]
+    # the saved rollouts re-score the same through the task
+    assert replay(str(tmp_path / "samples.jsonl")) == 0
 
 
 @pytest.mark.slow
 def test_the_base_model_template_trains_on_the_tiny_model(tmp_path):
-    grpo.main(["--config", TINY, f"--out_dir={tmp_path}", "--task=countdown_base", "--engine=hf", "--max_steps=2",
-               "--eval_every=0", "--test_size=4", "--max_prompt_len=384", "--micro_batch_tokens=512"])
+    grpo.main(["--config", TINY, f"--out_dir={tmp_path}", "--task=countdown_base", "--engine=hf",
+               "--max_steps=2", "--eval_every=0", "--test_size=4", "--max_prompt_len=384",
+               "--micro_batch_tokens=512"])
     assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
 
 
 def test_the_base_run_file_passes_preflight():
     path = os.path.join(ROOT, "config", "countdown_3b_base.py")
     cfg, task = setup("--device_memory_gb=80", path=path)
-    assert preflight.preflight(cfg)["weights"] == pytest.approx(11.5, abs=0.1)  # 3.09B fp32 master weights
+    # 3.09B fp32 master weights
+    assert preflight.preflight(cfg)["weights"] == pytest.approx(11.5, abs=0.1)
     check_task_output(task, load_problems(cfg, task, "train")[:5], cfg)
 
 
 @pytest.mark.slow
 def test_the_code_task_runs_end_to_end_through_the_sandbox(tmp_path):
-    """The tiny model writes no code, so the engine's first completion of each group is swapped for the problem's
-    reference solution: those pass their tests in the sandbox (acc > 0), the others score 0, nothing errs."""
+    """The tiny model writes no code, so the engine's first completion of each group is swapped for
+    the problem's reference solution: those pass their tests in the sandbox (acc > 0), the others
+    score 0, nothing errs."""
     cfg, task = setup("--task=code")
-    solutions = {p["prompt"]: p["solution"] for split in ("train", "test") for p in load_problems(cfg, task, split)}
+    solutions = {p["prompt"]: p["solution"]
+                 for split in ("train", "test") for p in load_problems(cfg, task, split)}
 
     def with_one_solution(engine):
         generate = engine.generate
@@ -521,20 +569,25 @@ def test_the_code_task_runs_end_to_end_through_the_sandbox(tmp_path):
         engine.generate = swapped
         return engine
 
-    grpo.main(["--config", TINY, f"--out_dir={tmp_path}", "--task=code", "--engine=hf", "--max_steps=2",
-               "--eval_every=0", "--test_size=2", "--eval_n=2", "--max_prompt_len=256", "--micro_batch_tokens=320",
+    grpo.main(["--config", TINY, f"--out_dir={tmp_path}", "--task=code", "--engine=hf",
+               "--max_steps=2",
+               "--eval_every=0", "--test_size=2", "--eval_n=2", "--max_prompt_len=256",
+               "--micro_batch_tokens=320",
                "--reward_workers=2", "--sample_every=1"], wrap_engine=with_one_solution)
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
-    assert all(m["acc"] == pytest.approx(0.25) and m["reward/parsed"] == pytest.approx(0.25) for m in metrics)
-    assert all(m["reward/errors"] == 0 for m in metrics) and metrics[-1]["eval/pass@1_greedy"] == 1.0
+    assert all(m["acc"] == pytest.approx(0.25)
+               and m["reward/parsed"] == pytest.approx(0.25) for m in metrics)
+    assert (all(m["reward/errors"] == 0 for m in metrics)
+            and metrics[-1]["eval/pass@1_greedy"] == 1.0)
 
 
 # ---------------------------------------------------------------- offline replay (W5)
 
 
 def test_replay_counts_and_prints_each_planted_disagreement(tmp_path, capsys):
-    """Three saved rollouts re-scored through the run's task and shaping: the untouched one agrees; a stored
-    component and a stored reward planted wrong are each one disagreement, printed with its line."""
+    """Three saved rollouts re-scored through the run's task and shaping: the untouched one agrees;
+    a stored component and a stored reward planted wrong are each one disagreement, printed with its
+    line."""
     from config import save_config
 
     cfg, task = setup(f"--task={ROOT}/tasks/larger.py")
@@ -542,8 +595,9 @@ def test_replay_counts_and_prints_each_planted_disagreement(tmp_path, capsys):
     p = {"id": "x", "a": 37, "b": 52}
     texts = ["52", "37", "Comparing the hundreds, then the tens: it is 52"]
     rewards, comps = score(task, texts, [p] * 3, [1, 1, 12], cfg)
-    records = [{"step": 0, "problem": p, "completion": t, "reward": rewards[i].item(), "length": [1, 1, 12][i],
-                "components": {k: v[i].item() for k, v in comps.items()}} for i, t in enumerate(texts)]
+    records = [{"step": 0, "problem": p, "completion": t, "reward": rewards[i].item(),
+                "length": [1, 1, 12][i], "components": {k: v[i].item() for k, v in comps.items()}}
+                for i, t in enumerate(texts)]
     records[1]["components"]["correct"] = 1.0  # "37" is wrong: the task re-scores it 0
     records[2]["reward"] = 0.5  # re-scored: correct 1 + brief 0
     path = tmp_path / "samples.jsonl"

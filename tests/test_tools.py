@@ -1,7 +1,7 @@
 """Tool calls in a rollout: the turns, the loss mask, the sandbox.   pytest tests/test_tools.py
 
-The engines' own tool turns (HF and vLLM on the tiny model) are in test_rollout.py, the training run in
-test_grpo.py.
+The engines' own tool turns (HF and vLLM on the tiny model) are in test_rollout.py,
+the training run in test_grpo.py.
 """
 
 import os
@@ -24,22 +24,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = build_tiny(str(tmp_path_factory.mktemp("models") / "tiny"))
-    cfg = load_config(overrides=["--model=tiny", "--dtype=float32", "--max_prompt_len=64", "--max_completion_len=64",
-                                 "--seed=0"])
+    cfg = load_config(overrides=["--model=tiny", "--dtype=float32", "--max_prompt_len=64",
+                                 "--max_completion_len=64", "--seed=0"])
     tokenizer, policy = load_policy(cfg, path, "cpu")
     return cfg, tokenizer, policy
 
 
 class ScriptedEngine:
-    """An engine that answers turn t of every row with script[t] (stopping after a stop string, as the real
-    engines do), and records what it was asked."""
+    """An engine that answers turn t of every row with script[t] (stopping after a stop string, as
+    the real engines do), and records what it was asked."""
 
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script, self.calls = tokenizer, script, []
 
-    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None, progress=False):
+    def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None,
+                 progress=False):
         assert n == 1  # the tool engine asks for one completion per row
-        self.calls.append({"prompts": prompts, "seeds": seeds, "max_tokens": max_tokens, "stop": stop})
+        self.calls.append({"prompts": prompts, "seeds": seeds, "max_tokens": max_tokens,
+                           "stop": stop})
         out = []
         for prompt, budget in zip(prompts, max_tokens):
             ids = self.tokenizer.encode(self.script[len(self.calls) - 1], add_special_tokens=False)
@@ -49,7 +51,8 @@ class ScriptedEngine:
             stopped = hit is not None and hit <= budget
             out.append([Completion(list(prompt), ids, self.tokenizer.decode(ids),
                                    [-0.5] * len(ids) if temperature > 0 else [],
-                                   not stopped and len(ids) == budget, stop[0] if stopped else None)])
+                                   not stopped and len(ids) == budget, stop[0] if stopped
+                                   else None)])
         return out
 
 
@@ -68,27 +71,31 @@ def test_a_call_runs_and_the_trainer_sees_exactly_the_sampled_and_the_output_ids
     engine = ToolEngine(ScriptedEngine(tokenizer, script), tokenizer, max_calls=2, run=run_python)
     prompt = encode(tokenizer, "What is 6 * 7?")
     c = generate(engine, prompt)
-    first, output, second = encode(tokenizer, script[0]), encode(tokenizer, TOOL_OUTPUT.format("42")), \
-        encode(tokenizer, script[1])
-    assert c.completion_ids == first + output + second  # concatenated ids, never re-tokenised from text
+    first, second = encode(tokenizer, script[0]), encode(tokenizer, script[1])
+    output = encode(tokenizer, TOOL_OUTPUT.format("42"))
+    # concatenated ids, never re-tokenised from text
+    assert c.completion_ids == first + output + second
     assert c.mask == [1] * len(first) + [0] * len(output) + [1] * len(second)
     assert c.logprobs == [-0.5] * len(first) + [0.0] * len(output) + [-0.5] * len(second)
     assert "<output>\n42\n</output>" in c.text and c.text.endswith("The answer is 42.")
     assert (c.tool_calls, c.tool_errors, c.truncated) == (1, 0, False) and c.tool_seconds > 0
     calls = engine.engine.calls
-    assert calls[0]["stop"] == ["</python>"] and calls[1]["stop"] == ["</python>"]  # turn 2 may call again
+    # turn 2 may call again
+    assert calls[0]["stop"] == ["</python>"] and calls[1]["stop"] == ["</python>"]
     assert calls[1]["prompts"] == [prompt + first + output]  # the context goes back as ids
     assert calls[1]["max_tokens"] == [64 - len(first) - len(output)]  # one budget for all turns
-    assert calls[0]["seeds"] == [5] and calls[1]["seeds"] == [turn_seed(5, 1)] != [5]  # each turn its own draw
+    # each turn its own draw
+    assert calls[0]["seeds"] == [5] and calls[1]["seeds"] == [turn_seed(5, 1)] != [5]
 
 
 def test_each_row_keeps_its_own_seed_through_the_turns(tiny):
-    """Two prompts x n = 2: the engine gets one seed per row, the row's own on the first turn, then a seed of
-    the row and the turn; a row that did not call has no second turn."""
+    """Two prompts x n = 2: the engine gets one seed per row, the row's own on the first turn, then
+    a seed of the row and the turn; a row that did not call has no second turn."""
     _, tokenizer, _ = tiny
-    engine = ToolEngine(ScriptedEngine(tokenizer, ["<python>print(1)</python>", " done"]), tokenizer, 2, run_python)
-    groups = engine.generate([[1, 2], [3]], 2, seeds=[11, 12, 13, 14], temperature=0.7, top_p=1.0, top_k=-1,
-                             max_tokens=64)
+    engine = ToolEngine(ScriptedEngine(tokenizer, ["<python>print(1)</python>", " done"]),
+                        tokenizer, 2, run_python)
+    groups = engine.generate([[1, 2], [3]], 2, seeds=[11, 12, 13, 14], temperature=0.7, top_p=1.0,
+                             top_k=-1, max_tokens=64)
     assert [len(g) for g in groups] == [2, 2] and all(c.tool_calls == 1 for g in groups for c in g)
     calls = engine.engine.calls
     assert calls[0]["seeds"] == [11, 12, 13, 14]
@@ -99,21 +106,25 @@ def test_each_row_keeps_its_own_seed_through_the_turns(tiny):
 def test_max_tool_calls_the_budget_and_malformed_calls(tiny):
     _, tokenizer, _ = tiny
     prompt = encode(tokenizer, "Go")
-    calls = ["<python>print(1)</python>", "<python>print(2)</python>", "<python>print(3)</python> done"]
+    calls = ["<python>print(1)</python>", "<python>print(2)</python>",
+             "<python>print(3)</python> done"]
     # max_calls=1: the turn after the call may not call; its </python> is just text
     engine = ToolEngine(ScriptedEngine(tokenizer, calls), tokenizer, max_calls=1, run=run_python)
     c = generate(engine, prompt)
-    assert c.tool_calls == 1 and engine.engine.calls[1]["stop"] is None and len(engine.engine.calls) == 2
+    assert (c.tool_calls == 1 and engine.engine.calls[1]["stop"] is None
+            and len(engine.engine.calls) == 2)
     assert c.text.endswith("<python>print(2)</python>")
-    # a budget that ends before even the empty output block fits: nothing is appended (an output is never left
-    # without its closing tag), the completion is truncated, no next turn
+    # a budget that ends before even the empty output block fits: nothing is appended (an output is
+    # never left without its closing tag), the completion is truncated, no next turn
     first = len(encode(tokenizer, calls[0]))
     engine = ToolEngine(ScriptedEngine(tokenizer, calls), tokenizer, max_calls=2, run=run_python)
     c = generate(engine, prompt, max_tokens=first + 3)
-    assert len(c.completion_ids) == first and c.mask == [1] * first and c.truncated and c.tool_calls == 1
+    assert (len(c.completion_ids) == first and c.mask == [1] * first and c.truncated
+            and c.tool_calls == 1)
     assert len(engine.engine.calls) == 1
     # an unclosed call at the length limit is text: nothing runs
-    engine = ToolEngine(ScriptedEngine(tokenizer, ["<python>print(1) and on and on"]), tokenizer, 2, run_python)
+    engine = ToolEngine(ScriptedEngine(tokenizer, ["<python>print(1) and on and on"]), tokenizer, 2,
+                        run_python)
     c = generate(engine, prompt, max_tokens=6)
     assert c.tool_calls == 0 and c.truncated and c.mask == [1] * 6
     # a close without an open: nothing runs, the model is told, the call counts as failed
@@ -121,12 +132,14 @@ def test_max_tool_calls_the_budget_and_malformed_calls(tiny):
     engine = ToolEngine(ScriptedEngine(tokenizer, ["oops </python>", " ok"]), tokenizer, 2,
                         run=lambda code: ran.append(code) or ("", True))
     c = generate(engine, prompt)
-    assert not ran and (c.tool_calls, c.tool_errors) == (1, 1) and "error: no <python> before </python>" in c.text
+    assert (not ran and (c.tool_calls, c.tool_errors) == (1, 1) and "error: no <python> before "
+            "</python>" in c.text)
 
 
 def test_an_output_past_the_budget_is_cut_inside_its_tags(tiny):
-    """A long output with room for part of it: the block keeps both tags around the output's first part, fills
-    the budget, the completion is truncated and no turn follows; the reward cannot read the tool's text."""
+    """A long output with room for part of it: the block keeps both tags around the output's first
+    part, fills the budget, the completion is truncated and no turn follows; the reward cannot read
+    the tool's text."""
     _, tokenizer, _ = tiny
     script = ["<python>print(*range(100))</python>", " never"]
     first = len(encode(tokenizer, script[0]))
@@ -134,7 +147,8 @@ def test_an_output_past_the_budget_is_cut_inside_its_tags(tiny):
     engine = ToolEngine(ScriptedEngine(tokenizer, script), tokenizer, 2, run_python)
     c = generate(engine, encode(tokenizer, "Go"), max_tokens=first + frame + 10)
     tool = tokenizer.decode(c.completion_ids[first:])
-    assert tool.startswith("\n<output>\n0 1 2") and tool.endswith("\n</output>\n") and "99" not in tool
+    assert (tool.startswith("\n<output>\n0 1 2") and tool.endswith("\n</output>\n")
+            and "99" not in tool)
     assert first + frame < len(c.completion_ids) <= first + frame + 10
     assert c.mask == [1] * first + [0] * (len(c.completion_ids) - first) and c.truncated
     assert len(engine.engine.calls) == 1 and c.text.endswith("</output>\n")
@@ -143,18 +157,21 @@ def test_an_output_past_the_budget_is_cut_inside_its_tags(tiny):
 def test_greedy_tool_rollouts_have_no_logprobs(tiny):
     _, tokenizer, _ = tiny
     script = ["<python>print(6 * 7)</python>", " 42"]
-    c = generate(ToolEngine(ScriptedEngine(tokenizer, script), tokenizer, 2, run_python), [1, 2], temperature=0.0)
+    c = generate(ToolEngine(ScriptedEngine(tokenizer, script), tokenizer, 2, run_python), [1, 2],
+                 temperature=0.0)
     assert c.logprobs == [] and c.tool_calls == 1 and 0 in c.mask
 
 
 def test_the_loss_mask_is_the_models_tokens_and_the_loss_ignores_the_tools(tiny):
-    """A hand-built two-turn completion: the mask is 1 on exactly the model's tokens, and the loss, its
-    gradient, the KL and the entropy equal a hand-written token loop over the model's tokens only."""
+    """A hand-built two-turn completion: the mask is 1 on exactly the model's tokens, and the loss,
+    its gradient, the KL and the entropy equal a hand-written token loop over the model's tokens
+    only."""
     cfg, tokenizer, policy = tiny
     prompt = encode(tokenizer, "What is 6 * 7?")
-    model_1, tool, model_2 = [encode(tokenizer, t) for t in ("<python>print(6*7)</python>", "\n<output>42</output>\n",
-                                                             " 42")]
-    c = Completion(prompt, model_1 + tool + model_2, "", [0.0] * (len(model_1) + len(tool) + len(model_2)), False,
+    parts = ("<python>print(6*7)</python>", "\n<output>42</output>\n", " 42")
+    model_1, tool, model_2 = [encode(tokenizer, t) for t in parts]
+    c = Completion(prompt, model_1 + tool + model_2, "",
+                   [0.0] * (len(model_1) + len(tool) + len(model_2)), False,
                    mask=[1] * len(model_1) + [0] * len(tool) + [1] * len(model_2))
     plain = Completion(prompt, [5, 6, 7], "", [0.0] * 3, False)  # a second row, one turn
     ids, attention, mask, _ = pad_batch([c, plain], tokenizer.pad_token_id)
@@ -176,12 +193,14 @@ def test_the_loss_mask_is_the_models_tokens_and_the_loss_ignores_the_tools(tiny)
         loss.backward()
         return loss.item(), metrics, [p.grad.clone() for p in policy.parameters()]
 
-    ours = loss_and_grads(lambda lp, ent: grpo_loss(lp, lp.detach(), advantages, mask, ref_logprobs=ref, beta=beta,
-                                                    entropy=ent))
+    ours = loss_and_grads(lambda lp, ent: grpo_loss(lp, lp.detach(), advantages, mask,
+                                                    ref_logprobs=ref, beta=beta, entropy=ent))
 
-    def by_hand(lp, entropy):  # the model's own tokens, listed one by one: the tool's are simply not there
+    # the model's own tokens, listed one by one: the tool's are simply not there
+    def by_hand(lp, entropy):
         rows = [(0, t) for t in range(P - 1, P - 1 + len(model_1))]
-        rows += [(0, t) for t in range(P - 1 + len(model_1) + len(tool), P - 1 + len(c.completion_ids))]
+        rows += [(0, t) for t in range(P - 1 + len(model_1) + len(tool),
+                                       P - 1 + len(c.completion_ids))]
         rows += [(1, t) for t in range(P - 1, P + 2)]
         total, kl, ent = 0.0, 0.0, 0.0
         for i, t in rows:
@@ -189,7 +208,8 @@ def test_the_loss_mask_is_the_models_tokens_and_the_loss_ignores_the_tools(tiny)
             k3 = torch.exp(ref[i, t] - lp[i, t]) - (ref[i, t] - lp[i, t]) - 1
             total = total - advantages[i] * ratio + beta * k3
             kl, ent = kl + k3.item(), ent + entropy[i, t].item()
-        return total / len(rows), {"kl": kl / len(rows), "entropy": ent / len(rows), "num_tokens": len(rows)}
+        return total / len(rows), {"kl": kl / len(rows), "entropy": ent / len(rows),
+                                   "num_tokens": len(rows)}
 
     hand = loss_and_grads(by_hand)
     assert ours[0] == pytest.approx(hand[0], rel=1e-5, abs=1e-7)
@@ -222,8 +242,8 @@ def test_bad_tool_calls_are_contained_and_said():
 
 
 def test_the_sandbox_sees_no_file_of_the_machine():
-    """Code run by the tool (and the code verifier) cannot read the project, a planted answers file next to
-    it, /etc/passwd, or the installed packages; the standard library still works."""
+    """Code run by the tool (and the code verifier) cannot read the project, a planted answers file
+    next to it, /etc/passwd, or the installed packages; the standard library still works."""
     planted = os.path.join(ROOT, f".planted_answers_{os.getpid()}.json")
     with open(planted, "w") as f:
         f.write('{"answer": 299114}')
@@ -239,8 +259,8 @@ def test_the_sandbox_sees_no_file_of_the_machine():
         leak = f"```python\ndef leak():\n    return open({planted!r}).read()\n```"
         tests = ["assert leak()", {"call": "leak()", "expected": '{"answer": 299114}'}]
         assert code_reward(leak, tests) == {"format": 0.0, "parsed": 1.0, "correct": 0.0}
-        assert code_reward("```python\nx = 1\n```", ["import json, math, fractions\nassert math.gcd(4, 6) == 2"])[
-            "correct"] == 1.0
+        stdlib = ["import json, math, fractions\nassert math.gcd(4, 6) == 2"]
+        assert code_reward("```python\nx = 1\n```", stdlib)["correct"] == 1.0
     finally:
         os.remove(planted)
 
@@ -258,33 +278,42 @@ def test_the_multiply_task_judges_the_models_own_last_number():
     p = {"a": 665, "b": 71, "answer": 47215}
     call = "```python\nprint(665 * 71)\n```\n\n<output>\n47215\n</output>\n"
     assert task.reward(call + "The answer is 47,215.", p)["correct"] == 1.0
-    assert task.reward(call, p)["correct"] == 0.0  # the answer only in the tool's output: not the model's
+    # the answer only in the tool's output: not the model's
+    assert task.reward(call, p)["correct"] == 0.0
     assert task.reward(call + "The answer is 47216.", p)["correct"] == 0.0
-    assert task.reward("The answer is 47215.", p)["correct"] == 1.0  # in its head is fine too, if right
-    assert task.reward(call[: call.index("</output>")], p)["correct"] == 0.0  # an output cut short: the tool's
+    # in its head is fine too, if right
+    assert task.reward("The answer is 47215.", p)["correct"] == 1.0
+    # an output cut short: the tool's
+    assert task.reward(call[: call.index("</output>")], p)["correct"] == 0.0
 
 
 def test_with_tools_the_math_task_judges_only_the_models_text_after_the_last_output():
-    """The tool's output may hold the right number, box or tag; only what the model wrote after it counts.
-    Without tools, math judges the whole completion as before."""
+    """The tool's output may hold the right number, box or tag; only what the model wrote after it
+    counts. Without tools, math judges the whole completion as before."""
     from task import load_task
 
     task = load_task(load_config(overrides=["--task=math", "--tools=true"]))
     p = {"question": "What is 2 + 3?", "answer": "5"}
     call = "<think>```python\nprint(2 + 3)\n```\n<output>\n5\n</output>\n"
-    for tool_text in ("5", "\\boxed{5}", "<answer>5</answer>", "</think><answer>\\boxed{5}</answer>"):
-        cut = "<think>```python\nprint(2 + 3)\n```\n<output>\n" + tool_text  # cut before its closing tag
+    for tool_text in ("5", "\\boxed{5}", "<answer>5</answer>",
+                      "</think><answer>\\boxed{5}</answer>"):
+        # cut before its closing tag
+        cut = "<think>```python\nprint(2 + 3)\n```\n<output>\n" + tool_text
         closed = cut + "\n</output>\n"
         assert task.reward(cut, p)["correct"] == 0.0, tool_text
-        assert task.reward(closed, p)["correct"] == 0.0, tool_text  # the model wrote no answer of its own
-    assert task.reward(call + "so 5</think><answer>\\boxed{5}</answer>", p) == {"format": 1.0, "parsed": 1.0,
-                                                                               "correct": 1.0}
-    assert task.reward(call + "<answer>\\boxed{5}</answer>", p)["correct"] == 0.0  # inside the open think
+        # the model wrote no answer of its own
+        assert task.reward(closed, p)["correct"] == 0.0, tool_text
+    assert task.reward(call + "so 5</think><answer>\\boxed{5}</answer>", p) == {
+        "format": 1.0, "parsed": 1.0, "correct": 1.0}
+    # inside the open think
+    assert task.reward(call + "<answer>\\boxed{5}</answer>", p)["correct"] == 0.0
     unthought = call[len("<think>") :]
-    assert task.reward(unthought + "it is 5", p)["correct"] == 1.0  # math_last_number: the model's own number
+    # math_last_number: the model's own number
+    assert task.reward(unthought + "it is 5", p)["correct"] == 1.0
     assert task.reward(unthought + "it is 6", p)["correct"] == 0.0
     plain = load_task(load_config(overrides=["--task=math"]))
-    assert plain.reward(unthought, p)["correct"] == 1.0  # tools off: the last number anywhere, as always
+    # tools off: the last number anywhere, as always
+    assert plain.reward(unthought, p)["correct"] == 1.0
 
 
 @pytest.mark.parametrize("overrides, message", [
