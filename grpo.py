@@ -765,8 +765,9 @@ def main(argv, wrap_engine=lambda engine: engine):
                                       cfg)
         metrics.update({**times, **memory, **evals})
         if parallel.all_sum(len(batch)) == 0:  # R7: no group with a reward spread, even refilled
-            print(f"step {step}: no group with a reward spread after {rounds} refill rounds; "
-                  "skipping the update")
+            if cfg.dynamic_sampling:  # without refills a step like this is no surprise late on
+                print(f"step {step}: no group with a reward spread after {rounds} refill rounds; "
+                      "skipping the update")
             state.step = step + 1
             metrics["skipped_updates"] = 1
             checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, eval_sets,
