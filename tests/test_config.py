@@ -154,7 +154,7 @@ def test_config_from_argv():
         (["--beta=2"], "beta=2.0 must be in"),
         (["--adaptive_kl=true", "--beta=0"], "beta=0"),
         (["--micro_batch_tokens=300"],
-         r"cannot hold one prompt plus its longest completion \(256 \+ 96 = 352\)"),
+         r"cannot hold one prompt plus its longest completion \(256 \+ 64 = 320\)"),
         (["--loss_agg=sum"], "choose one of"),
         (["--gpu_memory_utilization=0.95", "--gpu_memory_utilization=1.5"],
          "gpu_memory_utilization"),
@@ -281,7 +281,7 @@ def test_is_correction_settings():
     [
         ("--batch_size=0", "batch_size=0 must be >= 1"),  # a "successful" run with NaN rewards
         ("--batch_size=-8", "batch_size=-8 must be >= 1"),
-        ("--lr=nan", r"lr=nan must be a finite number \(default 2e-05\)"),
+        ("--lr=nan", r"lr=nan must be a finite number \(default 3e-05\)"),
         ("--lr=inf", "lr=inf must be a finite number"),  # crashed the HF engine's sampling
         ("--weight_decay=nan", "weight_decay=nan must be a finite number"),
         ("--beta=nan", "beta=nan must be a finite number"),
