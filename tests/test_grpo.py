@@ -268,7 +268,7 @@ def test_lora_reference_is_the_base_and_only_adapters_train(tmp_path):
     # B starts at 0: it moved
     assert any(v.abs().sum() > 0 for k, v in trained.items() if "lora_B" in k)
     ids, fp32 = (torch.tensor([[5, 17, 42, 99, 7, 3, 11]]),
-                 grpo.config_from_argv(["--dtype=float32"]))
+                 config.config_from_argv(["--dtype=float32"]))
     with torch.no_grad(), policy.disable_adapter():
         ref_lp = grpo.forward_logprobs(policy, ids, torch.ones_like(ids), fp32, 1.0)[0]
     base_lp = grpo.forward_logprobs(base, ids, torch.ones_like(ids), fp32, 1.0)[0]
