@@ -715,12 +715,14 @@ for step in range(2):
     steps.append({"drawn": drawn.problem,
                   "components": {k: v.tolist() for k, v in drawn.components.items()},
                   "kept": {k: v.tolist() for k, v in batch.gathered().components.items()}})
-print("RESULT " + json.dumps({"rank": parallel.rank(), "steps": steps, "seeds": engine.seeds}))
+# a file per rank: two ranks' lines on one forwarded stdout can interleave
+with open(f"result{parallel.rank()}.json", "w") as f:
+    json.dump({"rank": parallel.rank(), "steps": steps, "seeds": engine.seeds}, f)
 '''
 
 
 def collect(tmp_path, ranks):
-    """COLLECT's two steps of collect_rollouts on 1 process or 2 gloo ranks: each rank's RESULT."""
+    """COLLECT's two steps of collect_rollouts on 1 process or 2 gloo ranks: each rank's result."""
     script = tmp_path / "collect.py"
     script.write_text(COLLECT)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -728,8 +730,7 @@ def collect(tmp_path, ranks):
     cmd = (launcher if ranks > 1 else [sys.executable]) + [str(script), ROOT]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines()
-               if line.startswith("RESULT ")]
+    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(ranks)]
     return sorted(results, key=lambda r: r["rank"])
 
 

@@ -192,7 +192,7 @@ def test_a_context_beyond_the_models_fails(tmp_path):
     shape = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
              "num_attention_heads": 2, "max_position_embeddings": 300}
     (tmp_path / "config.json").write_text(json.dumps(shape))
-    with pytest.raises(ConfigError, match="256 \\+ 96 = 352 tokens, beyond .*'s context of 300"):
+    with pytest.raises(ConfigError, match="256 \\+ 64 = 320 tokens, beyond .*'s context of 300"):
         preflight.preflight(load_config(overrides=[f"--model={tmp_path}"]))
     preflight.preflight(load_config(overrides=[f"--model={tmp_path}", "--max_completion_len=44"]))
 
