@@ -151,23 +151,7 @@ def test_dropout_is_off_in_the_policy(tmp_path):
 # ---------------------------------------------------------------- left-padded passes
 
 
-def grouped_rows(vocab, seed=0):
-    """Right-padded rows of 3 groups of 2 (prompts of 5, 7 and 2 tokens; completions of 1-6),
-    their response mask."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for P, lengths in [(5, [3, 6]), (7, [1, 4]), (2, [5, 2])]:
-        prompt = torch.randint(0, vocab, (P,), generator=g).tolist()
-        rows += [(prompt, torch.randint(0, vocab, (C,), generator=g).tolist()) for C in lengths]
-    L = max(len(p) + len(c) for p, c in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
-    attention = torch.zeros(len(rows), L, dtype=torch.long)
-    mask = torch.zeros(len(rows), L - 1)
-    for i, (p, c) in enumerate(rows):
-        ids[i, : len(p) + len(c)], attention[i, : len(p) + len(c)] = torch.tensor(p + c), 1
-        mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1
-    return (ids, attention, mask, torch.tensor([len(p) for p, _ in rows]),
-            torch.arange(len(rows)) // 2)
+from test_perf import grouped_rows  # noqa: E402  (one helper for the shared-prompt rows)
 
 
 def nan_where_no_key(module, query, key, value, attention_mask, **kwargs):
