@@ -221,6 +221,16 @@ def informative_groups(rewards, G):
     return [g for g, row in enumerate(rewards.view(-1, G)) if row.max() > row.min()]
 
 
+def zero_gradient_rows(batch, cfg):
+    """The rows of groups whose rewards are all equal, where their gradient is exactly 0: their
+    advantage is 0 and, with no KL term and no entropy term, nothing else weighs their tokens. No
+    pass need compute them; their tokens still count in the token-mean (L2), as TRL counts them."""
+    if cfg.beta > 0 or cfg.entropy_coef > 0 or cfg.entropy_top_quantile > 0:
+        return set()
+    busy = set(informative_groups(batch.rewards, cfg.group_size))
+    return {i for i in range(len(batch)) if i // cfg.group_size not in busy}
+
+
 def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
     """Sample prompts, generate G completions each, score them, refill (R7): (batch, drawn, rounds).
 
@@ -366,9 +376,9 @@ def plan_micro_batches(rows, lengths, prompt_lens, groups, cfg):
     return [[rows[i] for i in mb] for mb in plan], computed, real  # back to the batch's rows
 
 
-def prepare_update(batch, advantages, cfg, pad_id, device):
+def prepare_update(batch, advantages, cfg, pad_id, device, idle=frozenset()):
     """Padded tensors, response masks, mini- and micro-batches under the token budget, global
-    token counts."""
+    token counts. idle: rows counted in the token counts that reach no pass (zero_gradient_rows)."""
     ids, attention, mask, sampler_lp = pad_batch(batch.completions, pad_id)
     if cfg.mask_truncated:  # R6: a cut-off completion has no final answer to judge; no loss for it
         mask = mask * (1 - batch.truncated)[:, None]
@@ -382,7 +392,7 @@ def prepare_update(batch, advantages, cfg, pad_id, device):
     first_group = parallel.rank() * (cfg.prompts_per_step // parallel.world())
     minis, computed, computed_real = [], 0, 0
     for rows in mini_batch_rows(len(batch), cfg.group_size, cfg.mini_batches, first_group):
-        micro, n, real = plan_micro_batches(rows, *sizes, cfg)
+        micro, n, real = plan_micro_batches([r for r in rows if r not in idle], *sizes, cfg)
         computed += n
         computed_real += real
         # L2: token-mean over the response tokens of the whole (global) mini-batch
@@ -764,7 +774,8 @@ def main(argv, wrap_engine=lambda engine: engine):
         metrics = log.rollout_metrics(step, drawn, stats, batch, rounds, state.beta, temperature,
                                       cfg)
         metrics.update({**times, **memory, **evals})
-        if parallel.all_sum(len(batch)) == 0:  # R7: no group with a reward spread, even refilled
+        idle = zero_gradient_rows(batch, cfg)  # the rows no pass computes: their gradient is 0
+        if parallel.all_sum(len(batch) - len(idle)) == 0:  # no group with a reward spread (R7)
             if cfg.dynamic_sampling:  # without refills a step like this is no surprise late on
                 print(f"step {step}: no group with a reward spread after {rounds} refill rounds; "
                       "skipping the update")
@@ -781,7 +792,7 @@ def main(argv, wrap_engine=lambda engine: engine):
                                       batch_sum=parallel.all_sum)  # (N,) this rank's rows
 
         # ---- tensors, masks, micro-batches; the old and reference logprobs once (F1, L7)
-        ub = prepare_update(batch, advantages, cfg, tokenizer.pad_token_id, device)
+        ub = prepare_update(batch, advantages, cfg, tokenizer.pad_token_id, device, idle)
         passes = old_and_ref_logprobs(policy, ref, ub, cfg, state.beta, temperature, times)
 
         # ---- the update: num_iterations epochs, one optimizer step per mini-batch (L1-L7, O1, O2)

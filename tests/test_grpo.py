@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import log
 import prepare
 from config import ConfigError
 from preflight import vllm_available
-from task import replay
+from task import Task, replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"),
@@ -895,3 +896,50 @@ def test_drop_zero_std_groups_trains_only_on_mixed_groups(drop):
     # a ratio of 1: loss = -sum(A_i x tokens_i) / num_tokens; mixed group A = (+a, -a, -a, +a)
     a = ub.advantages[ub.groups == ub.groups.max()].abs().max().item()
     assert loss.item() == pytest.approx(-a * (1 - 2 - 3 + 4) / ub.num_tokens, abs=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_groups_with_a_zero_gradient_count_but_are_not_computed(tmp_path, beta):
+    """drop_zero_std_groups=false: every group stays in the token-mean (30 tokens). With beta 0 the
+    all-right and all-wrong groups have a zero gradient, so no pass computes them (the mixed
+    group's 10 tokens are computed) and the gradient is the one of computing every row; with a KL
+    term they have a gradient of their own, and every row is computed."""
+    from preflight import build_tiny
+
+    cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
+                                        "--drop_zero_std_groups=false", f"--beta={beta}",
+                                        "--dtype=float32"])
+    problems = [{"id": str(i)} for i in range(3)]
+    train = grpo.Split(Task("test", None, None, lambda c, p: {"correct": float(c == "1")}),
+                       problems, [[0], [1], [2]])
+
+    class InOrder:
+        def sample(self, k, step=None):
+            return list(range(k))
+
+    scripts = {0: [1, 1, 1, 1], 1: [0, 0, 0, 0], 2: [1, 0, 0, 1]}
+    batch, _, _ = grpo.collect_rollouts(LengthScripted(scripts), InOrder(), train, cfg, 0, 1.0, {})
+    idle = grpo.zero_gradient_rows(batch, cfg)
+    assert idle == (set(range(8)) if beta == 0 else set())
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(build_tiny(str(tmp_path / "tiny")))
+    advantages = grpo.group_advantages(batch.rewards, 4)
+
+    def gradient_and_loss(idle):
+        ub = grpo.prepare_update(batch, advantages, cfg, pad_id=0, device="cpu", idle=idle)
+        assert ub.num_tokens == 30  # every group counts in the token-mean
+        computed = sorted(r for mb in ub.micro for r in mb)
+        ref = torch.zeros_like(ub.mask) if beta else None  # a reference other than the policy
+        policy.zero_grad()
+        loss = grpo.accumulate_gradients(policy, ub, ub.minis[0], grpo.Passes(ref=ref), cfg, 1.0,
+                                         SimpleNamespace(beta=beta), {}, None, "update")
+        return computed, loss, [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                                for p in policy.parameters()]
+
+    computed, loss, grads = gradient_and_loss(idle)
+    all_rows, full_loss, full_grads = gradient_and_loss(frozenset())
+    assert all_rows == list(range(12))
+    assert computed == ([8, 9, 10, 11] if beta == 0 else all_rows)
+    assert loss == pytest.approx(full_loss, abs=1e-7)
+    assert max((a - b).abs().max().item() for a, b in zip(grads, full_grads)) < 1e-6
