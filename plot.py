@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no screen needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
 from log import PHASES  # noqa: E402  (the phases every step times)
 
@@ -32,7 +33,8 @@ def stacked_times(ax, rows):
     layers = [[r.get(f"time/{p}", 0.0) for r in timed] for p in PHASES]
     other = [max(r["time/step"] - sum(r.get(f"time/{p}", 0.0) for p in PHASES), 0.0) for r in timed]
     ax.stackplot([r["step"] for r in timed], *layers, other,
-                 labels=PHASES + ["other (logging, overhead)"])
+                 labels=PHASES + ["other (logging, overhead)"],
+                 colors=[f"C{i}" for i in range(len(PHASES))] + ["lightgray"])
 
 
 def read(run):
@@ -57,32 +59,47 @@ def series(rows, key):
     return [p[0] for p in points], [p[1] for p in points]
 
 
+STYLES = ["-", "--", ":", "-."]  # a panel's metrics by line style; each run keeps one colour
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="out_dir folders holding metrics.jsonl")
     parser.add_argument("--out", default="run.png")
     args = parser.parse_args()
+    runs = {os.path.basename(run.rstrip("/")): read(run) for run in args.runs}
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, metrics) in zip(axes.flat, PANELS):
         if metrics == "stack":  # the first run's time budget
             stacked_times(ax, read(args.runs[0]))
-            metrics = []
-        for run in args.runs:
-            rows = read(run)
-            for wanted, label in metrics:
+            metrics, title = [], f"{title}, {next(iter(runs))}" if len(runs) > 1 else title
+        drawn, zero = {}, set()  # drawn: metric -> (line style, marker, label)
+        for colour, (name, rows) in enumerate(runs.items()):
+            for style, (wanted, label) in zip(STYLES, metrics):
                 key = resolve(rows, wanted)
                 label = label.replace("@n", key[key.rfind("@") :]) if key != wanted else label
                 x, y = series(rows, key)
-                if x:
-                    name = (f"{label} [{os.path.basename(run.rstrip('/'))}]" if len(args.runs) > 1
-                            else label)
-                    ax.plot(x, y, marker="o" if key.startswith("eval/") else None, markersize=3,
-                            label=name)
+                if x and not any(y):  # 0 throughout (a layout the prompt does not ask for, KL(old
+                    zero.add(wanted)  # || new) in one epoch): said in a note, not drawn
+                elif x:
+                    drawn.setdefault(wanted, (style, "o" if key.startswith("eval/") else None,
+                                              label))
+                    ax.plot(x, y, style, color=f"C{colour}", marker=drawn[wanted][1],
+                            markersize=3)
+        notes = [f"{label}: {'0 throughout' if wanted in zero else 'not logged'}"
+                 for wanted, label in metrics if wanted not in drawn]
+        if notes:  # the metrics no run drew
+            ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=8, color="gray")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if ax.lines or ax.collections:
-            ax.legend(fontsize=7)
+        # the legend: each metric once (its line style, in black), then each run (its colour)
+        handles = [Line2D([], [], linestyle=style, marker=marker, markersize=3, color="black",
+                          label=label) for style, marker, label in drawn.values()]
+        if drawn and len(runs) > 1:
+            handles += [Line2D([], [], color=f"C{i}", label=name) for i, name in enumerate(runs)]
+        if handles or ax.collections:
+            ax.legend(handles=handles or None, fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fig.savefig(args.out, dpi=110)

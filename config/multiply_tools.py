@@ -16,8 +16,9 @@ max_tool_calls = 2
 tool_output_chars = 200
 max_completion_len = 96  # the model's tokens and the tool's together
 
+group_size = 8
 batch_size = 32  # 4 prompts x 8: half the default run's batch, so a CPU step stays near a minute
-beta = 0.0  # no reference pass (as DAPO and Dr. GRPO): a third of the step on this CPU
+temperature = 0.7  # the temperature this run was measured at (docs/tools.md)
 unparsed_penalty = 0.0  # the reward is correctness alone
 test_size = 30
 eval_n = 2

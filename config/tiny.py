@@ -16,9 +16,4 @@ micro_batch_tokens = 384
 lr = 2e-2  # a random 2-layer model takes a far larger step than a pretrained one
 warmup_steps = 2
 dtype = "float32"
-temperature = 1.0
 unparsed_penalty = 0.0  # the digits reward alone
-beta = 0.0  # no reference: the smoke run stays fast
-# every group trains: the random model's digit shares all reach 1.0 within the run, and the smoke
-# tests read every step's update and every dumped group
-drop_zero_std_groups = False
