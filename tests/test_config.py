@@ -54,7 +54,7 @@ def clip_grad(cfg):
 
 def test_defaults_load_and_derive():
     cfg = load_config()
-    assert cfg.prompts_per_step == cfg.batch_size // cfg.group_size == 8
+    assert cfg.prompts_per_step == cfg.batch_size // cfg.group_size == 16  # 16 prompts x 4
     assert cfg.loss == {k: getattr(cfg, k) for k in config.LOSS_SETTINGS}
     assert cfg.loss["clip_eps_high"] == 0
     # the loss takes them by name; clip_eps_high = 0 is clip_eps: a ratio of 1.25 with A > 0 is
