@@ -137,7 +137,7 @@ class Config:
     dual_clip: float = 0.0  # L1: cap a loss with A < 0 at this * |A| ("clip"; verl clip_ratio_c: 3)
     sapo_tau_pos: float = 1.0  # L1: SAPO's gate temperature for A > 0 (verl tau_pos)
     sapo_tau_neg: float = 1.05  # L1: SAPO's gate temperature for A < 0 (verl tau_neg)
-    beta: float = 0.0  # L4: weight of the KL to the reference (R1: 0.001); 0 = none loaded (TRL)
+    beta: float = 0.0  # L4: the KL term's weight (DeepSeek-R1: 0.001); 0 = no reference, as TRL
     kl_estimator: str = "k3"  # L4: "k3" (unbiased, low var.) | "k1" (log ratio) | "k2" (square / 2)
     entropy_coef: float = 0.0  # L5: entropy bonus 1e-4..1e-3; 0 = off (verl entropy_coeff)
     num_iterations: int = 1  # L7: epochs over a batch (TRL num_iterations); 1 = on-policy, ratio 1
