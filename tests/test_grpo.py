@@ -853,30 +853,34 @@ class LengthScripted:
                             False) for j in range(n)] for p in prompts]
 
 
+def three_groups(cfg):
+    """(batch, drawn) of one step over three prompts of 4 completions: all right, all wrong, mixed
+    (1, 0, 0, 1); completion j has j + 1 tokens."""
+    problems = [{"id": str(i)} for i in range(3)]
+    train = grpo.Split(Task("test", None, None, lambda c, p: {"correct": float(c == "1")}),
+                       problems, [[0], [1], [2]])
+
+    class InOrder:
+        def sample(self, k, step=None):
+            return list(range(k))
+
+    scripts = {0: [1, 1, 1, 1], 1: [0, 0, 0, 0], 2: [1, 0, 0, 1]}
+    batch, drawn, _ = grpo.collect_rollouts(LengthScripted(scripts), InOrder(), train, cfg, 0,
+                                            1.0, {})
+    return batch, drawn
+
+
 @pytest.mark.parametrize("drop", [True, False])
 def test_drop_zero_std_groups_trains_only_on_mixed_groups(drop):
     """Three groups of 4: all right, all wrong, mixed. With drop_zero_std_groups only the mixed
     group reaches the loss, and the token-mean divides by its tokens alone (1 + 2 + 3 + 4 = 10, not
     30); the log still counts every group drawn, and says which share was dropped."""
     from advantage import group_stats
-    from task import Task
-
-    def reward(completion, problem):
-        return {"correct": float(completion == "1")}
 
     cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
                                         "--adv_zero_std_groups=false",
                                         f"--drop_zero_std_groups={drop}"])
-    problems = [{"id": str(i)} for i in range(3)]
-    train = grpo.Split(Task("test", None, None, reward), problems, [[0], [1], [2]])
-    scripts = {0: [1, 1, 1, 1], 1: [0, 0, 0, 0], 2: [1, 0, 0, 1]}
-
-    class InOrder:
-        def sample(self, k, step=None):
-            return list(range(k))
-
-    batch, drawn, _ = grpo.collect_rollouts(LengthScripted(scripts), InOrder(), train, cfg, 0,
-                                            1.0, {})
+    batch, drawn = three_groups(cfg)
     advantages = grpo.group_advantages(batch.rewards, 4)
     ub = grpo.prepare_update(batch, advantages, cfg, pad_id=0, device="cpu")
     stats = group_stats(drawn.rewards, 4, correct=drawn.components["correct"])
@@ -910,16 +914,7 @@ def test_groups_with_a_zero_gradient_count_but_are_not_computed(tmp_path, beta):
     cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
                                         "--drop_zero_std_groups=false", f"--beta={beta}",
                                         "--dtype=float32"])
-    problems = [{"id": str(i)} for i in range(3)]
-    train = grpo.Split(Task("test", None, None, lambda c, p: {"correct": float(c == "1")}),
-                       problems, [[0], [1], [2]])
-
-    class InOrder:
-        def sample(self, k, step=None):
-            return list(range(k))
-
-    scripts = {0: [1, 1, 1, 1], 1: [0, 0, 0, 0], 2: [1, 0, 0, 1]}
-    batch, _, _ = grpo.collect_rollouts(LengthScripted(scripts), InOrder(), train, cfg, 0, 1.0, {})
+    batch, _ = three_groups(cfg)
     idle = grpo.zero_gradient_rows(batch, cfg)
     assert idle == (set(range(8)) if beta == 0 else set())
     from transformers import AutoModelForCausalLM
