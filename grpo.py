@@ -19,14 +19,15 @@ Each step, as main() runs it, one named function a phase:
 Where this departs from the GRPO paper (each is a setting in config.py):
  1. Loss averaged over all response tokens of the batch (token-mean, L2) rather than per sequence
     first; the paper's seq-mean and Dr. GRPO's constant normaliser are options.
- 2. A small beta (0.001, as ms-swift's GRPO examples use) rather than the paper's 0.04; beta = 0
-    drops the reference (L4).
+ 2. No KL term by default (beta = 0, as TRL; DeepSeek-R1 used 0.001) rather than the paper's 0.04,
+    so no reference model; beta > 0 brings it back (L4).
  3. Group std is the unbiased one with a floor of 1e-4 (A2); the paper does not say.
  4. One update per batch by default (num_iterations = 1, L7), so the ratio starts at exactly 1.
  5. Weights kept in fp32 with bf16 autocast on a GPU, logprobs and loss in fp32 (L6, O5).
- 6. A group whose rewards are all equal leaves the update (DAPO's filter without its refill, R7):
-    its advantages are 0, so it would only add KL. The rest of DAPO (clip-higher, the refill,
-    overlong masking), GSPO's sequence-level ratio and length shaping are off by default.
+ 6. A group whose rewards are all equal has advantage 0: its tokens count in the token-mean, as in
+    TRL, and with no KL or entropy term no pass computes it (zero_gradient_rows, exact). DAPO's
+    filter and refill (R7), clip-higher, overlong masking, GSPO's sequence-level ratio and length
+    shaping are off by default.
 
 Read second: prepare.py (setting up a run), evals.py (pass@k, maj@n, eval sets), log.py (metrics),
 and the optional machinery, one setting each: tools.py (tools), perf/ (each prompt once, chunked
