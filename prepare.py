@@ -53,6 +53,8 @@ def prepare_run(argv):
     if device == "cpu" and cfg.cpu_keep_memory and not cpu.keep_freed_memory():
         print("cpu_keep_memory: this C library has no mallopt (not glibc); its allocator is left "
               "as it is")
+    if device == "cpu" and cfg.dtype == "bfloat16":
+        cpu.cap_kernel_cache()
     if rank > 0:
         sys.stdout = open(os.devnull, "w")  # one console: rank 0's (errors still reach stderr)
     if cfg.model not in BUILT_HERE:  # a hub name that cannot be had fails now, not after retries

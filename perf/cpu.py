@@ -1,11 +1,14 @@
 """On a CPU: what makes the default run fast there, and nothing a GPU run needs.
 
-Three settings, each exact (the same numbers as without it):
+Four settings, each exact (the same numbers as without it):
     keep_freed_memory     glibc keeps freed memory in the process (cpu_keep_memory)
+    cap_kernel_cache      oneDNN keeps few compiled bf16 kernels (bf16 runs)
     grouped_heads         attention takes grouped key/value heads as they are, no copies
     VLLM_CPU_BLOCK_SIZE   vLLM's KV blocks short enough to share a group's prompt
 and seed_vllm, how vLLM's CPU engine is seeded.
 """
+
+import os
 
 import numpy as np
 import torch
@@ -42,6 +45,28 @@ def keep_freed_memory():
         return False
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # malloc.h
     return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+def native_bf16():
+    """True if this CPU computes in bf16 itself (AMX, or AVX-512 with its bf16 instructions): there
+    a bf16 matmul is ~8x an fp32 one (~2.2 against ~0.26 TFLOP/s on a 2-core AMX VM); elsewhere
+    PyTorch emulates bf16, ~6x slower than fp32, so dtype "auto" keeps fp32 there."""
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+
+
+# oneDNN (PyTorch's CPU matmuls) keeps a compiled kernel for every shape it has met, up to 1024, and
+# in bf16 each holds its own buffers (~7 MB for SmolLM2). An update's micro-batches come in a new
+# (rows, length) shape almost every time, so with the default cache the default run's resident
+# memory grew every step, 7.8 -> 10.7 GB over 30 steps. One micro-batch needs ~20-25 kernels (each
+# weight shape forward and backward), reused by all its layers: 8 made the run 20% slower, 64 cost
+# no time but held ~0.5 GB more than 8 (dev/LOG.md).
+KERNEL_CACHE = 32
+
+
+def cap_kernel_cache(capacity=KERNEL_CACHE):
+    """Caps oneDNN's kernel cache (its ONEDNN_PRIMITIVE_CACHE_CAPACITY, read at its first kernel:
+    call this before any bf16 compute). A capacity set in the environment stays."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+
 
 def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                        is_causal=None, **kwargs):

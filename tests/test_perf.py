@@ -553,3 +553,25 @@ print(faults() - before)
     assert proc.returncode == 0, proc.stderr[-2000:]
     faults, pages = int(proc.stdout.split()[-1]), 2**26 // os.sysconf("SC_PAGE_SIZE")
     assert faults < pages // 10 if keep == "true" else faults > pages * 9 // 10
+
+
+def test_a_bf16_run_on_a_cpu_caps_onednns_kernel_cache(tmp_path):
+    """In bf16 oneDNN keeps a kernel with its own buffers per matrix shape (up to 1024): prepare_run
+    caps the cache before any bf16 compute, in fp32 leaves it alone, and a capacity already in the
+    environment stays."""
+    code = f"""
+import os, grpo
+from perf import cpu
+def run(name, dtype):
+    grpo.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}/" + name,
+                      "--device=cpu", "--dtype=" + dtype])
+    return os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+print(run("fp32", "float32"), run("bf16", "bfloat16") == str(cpu.KERNEL_CACHE))
+os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "100"
+print(run("mine", "bfloat16"))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-3:] == ["None", "True", "100"], proc.stdout
