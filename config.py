@@ -83,7 +83,7 @@ class Config:
 
     # ---- batch (R3, O3) ----
     group_size: int = 4  # R3: G completions per prompt (TRL num_generations, verl rollout.n); >= 2
-    batch_size: int = 64  # R3: completions a step: prompts per step x group_size (a multiple of it)
+    batch_size: int = 128  # R3: completions a step: prompts a step x group_size (a multiple of it)
     max_prompt_len: int = 256  # prompt tokens; longer prompts are an error, not silently cut
     max_completion_len: int = 64  # R6: sampled tokens per completion (TRL max_completion_length)
     micro_batch_tokens: int = 2048  # O3: token budget (prompt + completion) of one micro-batch
@@ -163,7 +163,8 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay
     adam_betas: tuple = (0.9, 0.99)  # AdamW betas
     grad_clip: float = 1.0  # O2: clip the global grad norm to this; 0 = off
-    dtype: str = "auto"  # O5: "bfloat16" | "float32" | "auto": bf16 on GPU, fp32 on CPU; loss fp32
+    dtype: str = "auto"  # O5: "bfloat16" | "float32" | "auto": bf16 on GPU and on a CPU with bf16
+    # arithmetic (AMX, AVX-512 BF16), else fp32; the loss is fp32 either way
     gradient_checkpointing: bool = False  # O5: recompute activations: less memory, ~30% more time
     cpu_keep_memory: bool = True  # CPU: freed memory stays for reuse (mallopt); False = glibc's way
     lora_rank: int = 0  # O5: LoRA rank through peft; 0 = full fine-tuning
@@ -227,7 +228,7 @@ def derive(cfg):
     cfg.component_weights = {k: float(v) for k, v in weights.items()}
     cfg.data_column_map = pairs("data_columns", cfg.data_columns)
     if cfg.dtype == "auto":  # O5: resolved once here: the engine, the trainer and pre-flight agree
-        cfg.dtype = "bfloat16" if on_gpu(cfg) else "float32"
+        cfg.dtype = "bfloat16" if on_gpu(cfg) or cpu_bf16(cfg) else "float32"
     cfg.parity_warn_eff = cfg.parity_warn or PARITY_WARN[cfg.dtype]
     return cfg
 
@@ -247,6 +248,15 @@ def pairs(name, text):
             except ValueError:
                 raise ConfigError(f"reward_weights: {key}:{value} is not a number") from None
     return out
+
+
+def cpu_bf16(cfg):
+    """True if the run computes on a CPU that does bf16 arithmetic natively (perf/cpu.py)."""
+    if cfg.device == "cuda":
+        return False
+    from perf.cpu import native_bf16
+
+    return native_bf16()
 
 
 def on_gpu(cfg):

@@ -748,8 +748,8 @@ def main(argv, wrap_engine=lambda engine: engine):
     G = cfg.group_size
     checkpoint_seconds = 0.0
     next_parity_warning = 0
-    print(f"GRPO: {cfg.model} on {cfg.task}, engine {engine_name}, device {device}, ranks "
-          f"{parallel.world()}, steps {state.step}..{cfg.max_steps}")
+    print(f"GRPO: {cfg.model} on {cfg.task}, engine {engine_name}, device {device} ({cfg.dtype}), "
+          f"ranks {parallel.world()}, steps {state.step}..{cfg.max_steps}")
 
     for step in range(state.step, cfg.max_steps):
         t_step, times = time.perf_counter(), {}

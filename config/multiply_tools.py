@@ -17,7 +17,7 @@ tool_output_chars = 200
 max_completion_len = 96  # the model's tokens and the tool's together
 
 group_size = 8
-batch_size = 32  # 4 prompts x 8: half the default run's batch, so a CPU step stays near a minute
+batch_size = 32  # 4 prompts x 8, so a CPU step stays near a minute
 temperature = 0.7  # the temperature this run was measured at (docs/tools.md)
 unparsed_penalty = 0.0  # the reward is correctness alone
 test_size = 30

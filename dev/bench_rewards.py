@@ -128,7 +128,7 @@ def math_speed(versions):
                 score_batch(results, lengths)
                 times[name].append(time.perf_counter() - start)
         row = "  ".join(f"{name} {statistics.median(t) * 1e3:6.2f} ms" for name, t in times.items())
-        print(f"math per step (64 completions of the default run), {where}: {row}")
+        print(f"math per 64 completions (half a step of the default run), {where}: {row}")
     right = {name: sum(fn(t, p["answer"], True)["correct"] for t, p in zip(texts, problems))
              for name, fn in versions[:-1]}
     counts = "  ".join(f"{name} {n:.0f}" for name, n in right.items())

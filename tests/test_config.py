@@ -54,7 +54,7 @@ def clip_grad(cfg):
 
 def test_defaults_load_and_derive():
     cfg = load_config()
-    assert cfg.prompts_per_step == cfg.batch_size // cfg.group_size == 16  # 16 prompts x 4
+    assert cfg.prompts_per_step == cfg.batch_size // cfg.group_size == 32  # 32 prompts x 4
     assert cfg.loss == {k: getattr(cfg, k) for k in config.LOSS_SETTINGS}
     assert cfg.loss["clip_eps_high"] == 0
     # the loss takes them by name; clip_eps_high = 0 is clip_eps: a ratio of 1.25 with A > 0 is
@@ -332,3 +332,22 @@ def test_a_gpu_or_a_logger_this_machine_lacks_fails(monkeypatch):
         load_config(overrides=["--wandb_project=mine"])
     with pytest.raises(ConfigError, match="tensorboard=True needs the tensorboard package"):
         load_config(overrides=["--tensorboard=true"])
+
+
+def test_dtype_auto_is_bf16_on_a_gpu_or_a_cpu_with_bf16_arithmetic(monkeypatch):
+    """O5: "auto" resolves once: bf16 where the hardware computes it (a GPU; a CPU with AMX or
+    AVX-512 BF16), fp32 on a CPU that would emulate it; a dtype set by hand stays."""
+    import torch
+
+    import perf.cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(perf.cpu, "native_bf16", lambda: True)
+    assert load_config().dtype == "bfloat16"
+    assert load_config().parity_warn_eff == config.PARITY_WARN["bfloat16"]
+    assert load_config(overrides=["--dtype=float32"]).dtype == "float32"
+    monkeypatch.setattr(perf.cpu, "native_bf16", lambda: False)
+    assert load_config().dtype == "float32"
+    assert load_config(overrides=["--device=cpu"]).dtype == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert load_config().dtype == "bfloat16"
