@@ -241,12 +241,14 @@ def passes(argv, shape, repeats):
     from config import config_from_argv
     from grpo import Passes, accumulate_gradients, batch_logprobs, prepare_update
     from model import load_policy, model_path
-    from perf.cpu import keep_freed_memory
+    from perf.cpu import cap_kernel_cache, keep_freed_memory
 
     cfg = config_from_argv(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and cfg.cpu_keep_memory:  # times as the trainer's (grpo.prepare_run)
         keep_freed_memory()
+    if device == "cpu" and cfg.dtype == "bfloat16":
+        cap_kernel_cache()
     tokenizer, policy = load_policy(cfg, model_path(cfg), device)
     policy.train()
     prompt_lens, completion_lens = batch_shape(cfg, tokenizer, shape)
