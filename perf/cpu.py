@@ -47,16 +47,6 @@ def keep_freed_memory():
     return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def native_bf16():
-    """True if this CPU computes in bf16 itself (AMX, or AVX-512 with its bf16 instructions): there
-    a bf16 matmul is ~8x an fp32 one (~2.2 against ~0.26 TFLOP/s on a 2-core AMX VM); elsewhere
-    PyTorch emulates bf16, ~6x slower than fp32, so dtype "auto" keeps fp32 there. PyTorch asks
-    the CPU through torch.cpu's probes (private names, hence the getattr: a build without them
-    answers False)."""
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
-
-
 # oneDNN (PyTorch's CPU matmuls) keeps a compiled kernel for every shape it has met, up to 1024, and
 # in bf16 each holds its own buffers (~7 MB for SmolLM2). An update's micro-batches come in a new
 # (rows, length) shape almost every time, so with the default cache the default run's resident

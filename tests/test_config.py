@@ -339,14 +339,12 @@ def test_dtype_auto_is_bf16_on_a_gpu_or_a_cpu_with_bf16_arithmetic(monkeypatch):
     AVX-512 BF16), fp32 on a CPU that would emulate it; a dtype set by hand stays."""
     import torch
 
-    import perf.cpu
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(perf.cpu, "native_bf16", lambda: True)
+    monkeypatch.setattr(config, "cpu_bf16", lambda cfg: True)
     assert load_config().dtype == "bfloat16"
     assert load_config().parity_warn_eff == config.PARITY_WARN["bfloat16"]
     assert load_config(overrides=["--dtype=float32"]).dtype == "float32"
-    monkeypatch.setattr(perf.cpu, "native_bf16", lambda: False)
+    monkeypatch.setattr(config, "cpu_bf16", lambda cfg: False)
     assert load_config().dtype == "float32"
     assert load_config(overrides=["--device=cpu"]).dtype == "float32"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
