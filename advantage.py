@@ -24,7 +24,11 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
     baseline: "mean" (A1, GRPO) -> b = the group's mean reward
               "leave-one-out" (RLOO, Ahmadian et al. 2024) -> b_i = the mean of the other G - 1
               rewards; r_i - b_i = G / (G - 1) * (r_i - mean): GRPO's centred reward, scaled up
-    scale:    "group" (A1, the GRPO paper's z-score) -> / max(std of the group's rewards, std_floor)
+    scale:    "group" (A1, the GRPO paper's z-score) -> / max(std of the group's rewards,
+              std_floor). TRL divides by std + 1e-4 instead: for a 0/1 group of 4 with one success
+              the same to 2e-4 (1.5 here, 1.4997 there); the most they differ is at std =
+              std_floor, where TRL's is half this (1e-4 + 1e-4), and far below it they agree again
+              (both ~/ 1e-4).
               "batch" (TRL scale_rewards="batch") -> / max(std of every reward in the batch,
               std_floor): TRL's, the unbiased std of the whole batch's raw rewards over all
               processes (batch_sum), floored at std_floor where TRL adds 1e-4 to it. Not
@@ -60,9 +64,14 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
         adv = adv / batch_std(groups, batch_sum).clamp(min=std_floor)
     elif scale != "none":
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    # A group whose rewards are all equal carries no signal: exactly 0. The formula alone gives ~0
+    # in float32: mean(eight rewards of 1.05) is one ulp off 1.05, so r - mean is ~1e-7 and the
+    # 1e-4 floor turns it into 1.2e-3 (TRL, which adds 1e-4 to the std, gives the same).
+    same = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)  # (P, 1)
+    adv = torch.where(same, torch.zeros_like(adv), adv)
     if zero_std_groups:
-        # A2: when all rewards are equal adv is already exactly 0 either way; this only changes
-        # groups of nearly-equal continuous rewards, whose tiny differences are usually noise.
+        # A2: groups of equal rewards are 0 either way (above); this only changes groups of
+        # nearly-equal continuous rewards, whose tiny differences are usually noise.
         adv = torch.where(std < std_floor, torch.zeros_like(adv), adv)
     if clip > 0:
         adv = adv.clamp(-clip, clip)  # A3: after normalising, so the bound is in std units
@@ -77,20 +86,22 @@ def batch_std(x, batch_sum=None):
     return torch.tensor(max(var, 0.0) ** 0.5, dtype=x.dtype)
 
 
-def group_stats(rewards, group_size, correct=None, eps=1e-4):
+def group_stats(rewards, group_size, correct=None):
     """Per-step statistics of the groups (A4), as plain floats plus the per-group pass rate.
 
     rewards: (N,) groups contiguous. correct: (N,) 1/0, or None: use rewards (right for 0/1 ones).
-    effective_group_ratio: share of groups whose reward std > eps, i.e. that carry any signal;
+    frac_reward_zero_std: share of groups whose rewards are all equal, the ones group_advantages
+        gives exactly 0 (TRL's name and meaning: its torch.isclose(std, 0), which float32 can miss:
+        eight rewards of 1.05 have a float32 std of ~1e-7, where TRL counts a spread).
+    effective_group_ratio: 1 - frac_reward_zero_std, the share of groups that carry a signal;
         under ~0.3 the prompts are too easy or too hard for the policy.
-    frac_reward_zero_std: 1 - effective_group_ratio (TRL's name for it).
     pass_rate: (P,) share of correct completions in each group.
 
     Example, G = 2, rewards [1, 0, 1, 1]: effective 0.5, zero-std 0.5, pass_rate [0.5, 1.0].
     """
     groups = _groups(rewards, group_size)  # (P, G)
     std = groups.std(dim=1)  # (P,) unbiased, as in group_advantages
-    effective = (std > eps).float().mean().item()
+    effective = (groups.amax(dim=1) > groups.amin(dim=1)).float().mean().item()
     hits = _groups(rewards if correct is None else correct, group_size)
     return {
         "effective_group_ratio": effective,

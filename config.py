@@ -88,6 +88,7 @@ class Config:
     max_completion_len: int = 64  # R6: sampled tokens per completion (TRL max_completion_length)
     micro_batch_tokens: int = 2048  # O3: token budget (prompt + completion) of one micro-batch
     shared_prompt: bool = True  # prompts once a pass, not G times (Prefix Grouper); False = padded
+    skip_zero_gradient: bool = True  # O3: rows with a zero gradient get no pass; False = all; exact
     tail_runs: bool = True  # O3: completions in runs of like length (shared_prompt, 1 rank); exact
     fused_logprobs: bool = False  # L6: logprobs from hidden x head in chunks, no (B, T, V) logits
     chunked_logprobs: bool = True  # L6: fp32 logprobs by chunk, exact; False = log_softmax + gather

@@ -501,13 +501,14 @@ class Update:
     grad_norm: torch.Tensor
     skipped: int  # optimizer steps skipped for a non-finite loss or grad norm (L6)
     steps: int  # optimizer steps taken: num_iterations x mini_batches, less the skipped ones
+    zero_gradient: int  # of those, the steps whose every row had a zero gradient (momentum only)
     sums: dict  # loss metrics summed over micro-batches, each weighted by its token count
-    parity: list  # (sum, max) of |pi_old - sampler| logprob per micro-batch (R2)
+    parity: list  # (sum, max, tokens) of |pi_old - sampler| logprob per micro-batch (R2)
 
 
 def update_policy(train_model, optimizer, params, ub, passes, cfg, temperature, state):
     """num_iterations epochs over the batch, each one optimizer step per mini-batch (L1-L7, O2)."""
-    sums, parity, skipped = {}, [], 0
+    sums, parity, skipped, zero_gradient = {}, [], 0, 0
     for epoch in range(cfg.num_iterations):
         losses = []
         # mini_batches > 1: TRL's steps_per_generation, verl's ppo_mini_batch_size
@@ -517,12 +518,26 @@ def update_policy(train_model, optimizer, params, ub, passes, cfg, temperature, 
                 desc += f", mini-batch {k + 1}/{len(ub.minis)}"
             loss = accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
                                         sums, parity if epoch == 0 else None, desc)
+            # no row with a gradient on any rank (even_micro_batches gives all ranks work or none)
+            if not mini.micro:
+                zero_gradients(params)
+                zero_gradient += 1
             loss = parallel.all_sum(loss)  # the global loss: every rank skips or steps alike
             grad_norm, stepped = optimizer_step(optimizer, params, loss, cfg.grad_clip)
             skipped += count_nonfinite(stepped, state, cfg, loss, grad_norm)
             losses.append(loss)
     steps = cfg.num_iterations * len(ub.minis) - skipped
-    return Update(sum(losses) / len(losses), grad_norm, skipped, steps, sums, parity)
+    return Update(sum(losses) / len(losses), grad_norm, skipped, steps, zero_gradient, sums,
+                  parity)
+
+
+def zero_gradients(params):
+    """The gradient a backward over rows whose gradient is 0 would leave: zeros, not None. AdamW
+    skips a parameter whose grad is None; with a zero gradient it still steps, as TRL and verl do
+    after such a batch: its momentum (and weight decay) move the weights, and its step count and
+    second moment advance."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
 
 
 def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state, sums, parity,
@@ -563,7 +578,8 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
         add_token_weighted(sums, {**mb_metrics, **is_metrics})
         if parity is not None and ub.has_sampler_logprobs:  # R2: the sampler against pi_old
             diff = (old - sampler_lp).abs() * mask
-            parity.append((diff.sum().item(), diff.max().item()))
+            # over the computed rows' tokens: the idle rows (zero_gradient_rows) have no pi_old
+            parity.append((diff.sum().item(), diff.max().item(), mask.sum().item()))
     return loss_total
 
 
@@ -775,13 +791,12 @@ def main(argv, wrap_engine=lambda engine: engine):
         metrics = log.rollout_metrics(step, drawn, stats, batch, rounds, state.beta, temperature,
                                       cfg)
         metrics.update({**times, **memory, **evals})
-        idle = zero_gradient_rows(batch, cfg)  # the rows no pass computes: their gradient is 0
-        if parallel.all_sum(len(batch) - len(idle)) == 0:  # no group with a reward spread (R7)
+        if parallel.all_sum(len(batch)) == 0:  # R7's filter dropped every group: nothing to train
             if cfg.dynamic_sampling:  # without refills a step like this is no surprise late on
                 print(f"step {step}: no group with a reward spread after {rounds} refill rounds; "
                       "skipping the update")
             state.step = step + 1
-            metrics["skipped_updates"] = 1
+            metrics["skipped_empty_batch"] = 1
             checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, eval_sets,
                                           logger, save)
             continue
@@ -793,6 +808,9 @@ def main(argv, wrap_engine=lambda engine: engine):
                                       batch_sum=parallel.all_sum)  # (N,) this rank's rows
 
         # ---- tensors, masks, micro-batches; the old and reference logprobs once (F1, L7)
+        idle = set()
+        if cfg.skip_zero_gradient:  # exact: no pass over rows whose gradient is 0; they still count
+            idle = zero_gradient_rows(batch, cfg)
         ub = prepare_update(batch, advantages, cfg, tokenizer.pad_token_id, device, idle)
         passes = old_and_ref_logprobs(policy, ref, ub, cfg, state.beta, temperature, times)
 

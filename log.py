@@ -221,8 +221,10 @@ def step_metrics(update, ub, lr):
         "kl": sums["kl"] / n_tok if "kl" in sums else None,
         "grad_norm": update.grad_norm.item(),
         "lr": lr,
-        "skipped_updates": update.skipped,
-        "optimizer_steps": update.steps,
+        "skipped_nonfinite": update.skipped,  # optimizer steps not taken: loss or norm not finite
+        "optimizer_steps": update.steps,  # AdamW steps taken, those with a zero gradient among them
+        "zero_gradient_steps": update.zero_gradient,  # no row with a reward spread: momentum only
+        "skipped_empty_batch": 0,  # 1: R7's filter left no group, no update (grpo.main)
     }
     for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy",
               "is_weight_mean", "is_limited_frac", "dual_clip_frac", "pg_token_frac"):
@@ -230,14 +232,17 @@ def step_metrics(update, ub, lr):
             out[k] = sums[k] / n_tok
     out["sampler_logprob_diff_mean"] = None
     out["sampler_logprob_diff_max"] = None
-    if parallel.all_max(len(update.parity)) > 0:
-        gap = parallel.all_sum(sum(s for s, _ in update.parity))
-        out["sampler_logprob_diff_mean"] = gap / max(ub.num_tokens, 1)
-        out["sampler_logprob_diff_max"] = parallel.all_max(max((m for _, m in update.parity),
+    # R2 over the tokens compared (the computed rows'), not the batch's: idle rows have no pass
+    compared = parallel.all_sum(sum(n for _, _, n in update.parity))
+    if compared > 0:
+        gap = parallel.all_sum(sum(s for s, _, _ in update.parity))
+        out["sampler_logprob_diff_mean"] = gap / compared
+        out["sampler_logprob_diff_max"] = parallel.all_max(max((m for _, m, _ in update.parity),
                                                                default=0.0))
     out["tokens"] = int(ub.tokens)
     out["tokens_computed"] = int(ub.computed)  # below `tokens` when prompts are shared
-    out["pad_frac"] = 1 - ub.computed_real / ub.computed
+    # None when no row was computed (every group without a reward spread)
+    out["pad_frac"] = 1 - ub.computed_real / ub.computed if ub.computed else None
     out["mem/peak_gb"] = peak_memory_gb()
     return out
 

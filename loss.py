@@ -40,6 +40,8 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, *, ref_logprobs=None, be
               "seq-mean": mean over each sequence's tokens, then sum / num_seqs (the GRPO paper).
               "dr-grpo": sum over tokens / (num_seqs * max_completion_len), a constant (Dr. GRPO).
               num_seqs defaults to B and max_completion_len to T (the micro-batch is the batch).
+              num_seqs counts rows with no token in the loss (mask_truncated) too, as TRL's "grpo"
+              and "dr_grpo" do; verl's agg_loss leaves them out where it counts rows itself.
     entropy:      (B, T) with grad, needed when entropy_coef > 0 (L5); also logged when given.
     ratio_level:  "token" (GRPO) or "sequence" (GSPO, L8: one ratio per completion, the geometric
                   mean of its token ratios, exp(mean_t log r_t)).

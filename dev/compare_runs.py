@@ -2,10 +2,13 @@
 
     python -m dev.compare_runs out/before out/after  # a fixed-seed run before and after a change
     python -m dev.compare_runs out/before out/after --steps 3 --rel 1e-6
+    python -m dev.compare_runs out/on out/off --ignore tokens_computed,pad_frac,entropy
 
 A refactor keeps behaviour: with the same seed and settings every logged value of every step must
 match (times and memory excepted: they measure the machine), and so must the sample dumps and the
 eval results, where the runs wrote them (samples.jsonl, eval.jsonl). Exits 1 on a mismatch.
+A fast path that skips work is held to its plain path the same way, less the figures that measure
+the work itself (--ignore: `tokens_computed`, `pad_frac`, and the means over the computed rows).
 """
 
 import argparse
@@ -42,14 +45,14 @@ def same(x, y, rel):
     return x == y
 
 
-def differences(a, b, rel=0.0):
-    """(record, key, value a, value b) for every value that differs beyond `rel`, times and memory
-    excepted; a record is its step where it has one, else its line number."""
+def differences(a, b, rel=0.0, ignore=()):
+    """(record, key, value a, value b) for every value that differs beyond `rel`, times, memory and
+    the keys `ignore` excepted; a record is its step where it has one, else its line number."""
     out = []
     if len(a) != len(b):
         out.append((None, "records", len(a), len(b)))
     for i, (ra, rb) in enumerate(zip(a, b)):
-        keys = {k for k in ra.keys() | rb.keys() if not k.startswith(IGNORED)}
+        keys = {k for k in ra.keys() | rb.keys() if not k.startswith(IGNORED) and k not in ignore}
         for k in sorted(keys):
             x, y = ra.get(k, "missing"), rb.get(k, "missing")
             if not same(x, y, rel):
@@ -57,16 +60,18 @@ def differences(a, b, rel=0.0):
     return out
 
 
-def compare(a, b, steps=0, rel=0.0):
+def compare(a, b, steps=0, rel=0.0, ignore=()):
     """{log name: differences} for every log either run wrote."""
     out = {}
     for name in LOGS:
         x, y = read(a, name, steps), read(b, name, steps)
         if x is None and y is None:
             continue
-        out[name] = differences(x or [], y or [], rel) if x is not None and y is not None else [
-            (None, "file", "present" if x is not None else "missing",
-             "present" if y is not None else "missing")]
+        if x is None or y is None:
+            out[name] = [(None, "file", "present" if x is not None else "missing",
+                          "present" if y is not None else "missing")]
+        else:
+            out[name] = differences(x, y, rel, ignore)
     return out
 
 
@@ -76,12 +81,15 @@ if __name__ == "__main__":
     parser.add_argument("b")
     parser.add_argument("--steps", type=int, default=0, help="the first N steps only; 0 = all")
     parser.add_argument("--rel", type=float, default=0.0, help="relative tolerance; 0 = identical")
+    parser.add_argument("--ignore", default="", help="comma-separated keys not compared")
     args = parser.parse_args()
-    found = compare(args.a, args.b, args.steps, args.rel)
+    ignore = {k for k in args.ignore.split(",") if k}
+    found = compare(args.a, args.b, args.steps, args.rel, ignore)
     for name, diffs in found.items():
         for step, key, x, y in diffs[:20]:
             print(f"{name}: step {step}: {key}: {x!r} != {y!r}")
         n = len(read(args.a, name, args.steps) or [])
         verdict = "identical" if not diffs else f"{len(diffs)} differences"
-        print(f"{name}: {n} records compared: {verdict} (times and memory ignored)")
+        skipped = ", ".join(["times", "memory", *sorted(ignore)])
+        print(f"{name}: {n} records compared: {verdict} ({skipped} ignored)")
     sys.exit(1 if any(found.values()) else 0)

@@ -214,3 +214,71 @@ def test_batch_std_over_two_ranks_is_the_one_process_std():
         got = group_advantages(halves[rank], 4, scale="batch", baseline="leave-one-out",
                                batch_sum=all_sum)
         assert got.tolist() == pytest.approx(one[:4].tolist() if rank == 0 else one[4:].tolist())
+
+
+# ---------------------------------------------------------------- equal rewards, float32, TRL
+
+
+@pytest.mark.parametrize("G", [4, 8, 16])
+@pytest.mark.parametrize("baseline", ["mean", "leave-one-out"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_equal_rewards_give_exactly_zero_in_float32(G, baseline, scale):
+    """A group of equal rewards has advantage exactly 0, whatever their value: in float32 the mean
+    of eight rewards of 1.05 is one ulp off 1.05, and the 1e-4 floor would blow r - mean up to
+    1.2e-3 (the zero-gradient shortcut relies on the 0). A group with a spread beside it keeps the
+    plain formula's values."""
+    values = [1.05, 0.3, 0.7, -0.2, 1.1, 0.1 + 1.0]
+    flat = torch.tensor([v for v in values for _ in range(G)])
+    assert (group_advantages(flat, G, baseline=baseline, scale=scale) == 0).all()
+    mixed = torch.cat([torch.full((G,), 1.05), torch.tensor([1.0] + [0.0] * (G - 1))])
+    got = group_advantages(mixed, G, baseline=baseline, scale=scale)
+    assert (got[:G] == 0).all()
+    if scale == "group" and baseline == "mean":
+        assert got[G:].tolist() == pytest.approx(naive_advantages(mixed[G:].tolist(), G), abs=1e-6)
+
+
+def trl_frac_reward_zero_std(rewards, G):
+    """TRL 1.16's frac_reward_zero_std (GRPOTrainer._generate_and_score_completions, scale_rewards
+    "group"): its nanstd of each group, repeated per row, torch.isclose to 0, the mean."""
+    from trl.trainer.utils import nanstd
+
+    std = nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
+    return torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+
+
+def test_frac_reward_zero_std_is_trls():
+    """frac_reward_zero_std against TRL's own nanstd and isclose: the same on 0/1 rewards, shaped
+    rewards, nearly equal continuous ones (a spread of 1e-6 is a spread for both, though the old
+    1e-4 threshold here called it none) and G from 2 to 16. One case differs, and says why: eight
+    rewards of 1.05, where TRL's float32 std is ~1e-7 and it counts a spread that group_advantages
+    (and TRL's own advantage, (r - mean) / (std + 1e-4) ~ 1e-3) turns into noise."""
+    pytest.importorskip("trl")
+    g = torch.Generator().manual_seed(0)
+    for G in (2, 4, 8, 16):
+        for rewards in ((torch.rand(32 * G, generator=g) > 0.8).float(),  # mostly all-wrong groups
+                        (torch.rand(32 * G, generator=g) > 0.8).float() * 1.0 + 0.1,  # shaped
+                        torch.randint(0, 2, (32 * G,), generator=g).float() * 0.25):
+            assert group_stats(rewards, G)["frac_reward_zero_std"] == trl_frac_reward_zero_std(
+                rewards, G)
+    nearly = torch.tensor([0.5, 0.5, 0.5, 0.5 + 1e-6, 1.0, 1.0, 1.0, 1.0])
+    assert group_stats(nearly, 4)["frac_reward_zero_std"] == trl_frac_reward_zero_std(nearly, 4)
+    assert group_stats(nearly, 4)["frac_reward_zero_std"] == 0.5
+    float_noise = torch.full((8,), 1.05)
+    assert trl_frac_reward_zero_std(float_noise, 8) == 0.0  # TRL: a spread of ~1e-7
+    assert group_stats(float_noise, 8)["frac_reward_zero_std"] == 1.0
+    assert group_stats(float_noise, 8)["effective_group_ratio"] == 0.0
+
+
+def test_the_std_floor_against_trls_added_epsilon():
+    """scale="group" divides by max(std, 1e-4); TRL by std + 1e-4. Hand numbers for the docstring:
+    one success in four, 1.5 against 1.4997; at std = 1e-4 TRL's is half; far below, the same."""
+    one_in_four = torch.tensor([1.0, 0, 0, 0])
+    assert group_advantages(one_in_four, 4)[0].item() == pytest.approx(1.5)
+    assert 0.75 / (0.5 + 1e-4) == pytest.approx(1.49970, abs=1e-5)
+    at_floor = torch.tensor([0.0, 0.0, 0.0, 2e-4], dtype=torch.float64)  # std = 1e-4 exactly
+    ours = group_advantages(at_floor, 4)
+    trl = (at_floor - at_floor.mean()) / (at_floor.std() + 1e-4)
+    assert ours.tolist() == pytest.approx((2 * trl).tolist(), rel=1e-9)
+    tiny = torch.tensor([0.0, 0.0, 0.0, 2e-8], dtype=torch.float64)  # std 1e-8
+    trl = (tiny - tiny.mean()) / (tiny.std() + 1e-4)
+    assert group_advantages(tiny, 4).tolist() == pytest.approx(trl.tolist(), rel=1e-3)

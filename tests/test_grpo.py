@@ -478,7 +478,7 @@ def test_dynamic_sampling_logs_and_feeds_every_group_drawn(tmp_path):
     for m in metrics:
         assert (m["frac_reward_zero_std"] == 1.0 and m["effective_group_ratio"] == 0.0
                 and m["acc"] == 0.0)
-        assert m["drawn/prompts"] == 8 and m["kept/prompts"] == 0 and m["skipped_updates"] == 1
+        assert m["drawn/prompts"] == 8 and m["kept/prompts"] == 0 and m["skipped_empty_batch"] == 1
     with open(tmp_path / "ckpt_000002" / "trainer_state.json") as f:
         pass_rate = json.load(f)["sampler"]["pass_rate"]
     # D2: 16 prompts drawn in 4 rounds (a prompt may come twice), every one seen, and seen as hard
@@ -939,3 +939,81 @@ def test_groups_with_a_zero_gradient_count_but_are_not_computed(tmp_path, beta):
     assert computed == ([8, 9, 10, 11] if beta == 0 else all_rows)
     assert loss == pytest.approx(full_loss, abs=1e-7)
     assert max((a - b).abs().max().item() for a, b in zip(grads, full_grads)) < 1e-6
+
+
+def test_the_parity_gap_is_the_mean_over_the_tokens_compared(tmp_path):
+    """R2's sampler_logprob_diff_mean over the computed rows' tokens only: with the shortcut the
+    all-right and all-wrong groups (20 of 30 tokens) have no pass, so the gap is the mixed group's
+    10 tokens' mean |pi_old - sampler| (the sampler said -1.0 for each), not their sum over 30."""
+    from transformers import AutoModelForCausalLM
+
+    from preflight import build_tiny
+
+    cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
+                                        "--dtype=float32"])
+    batch, _ = three_groups(cfg)
+    policy = AutoModelForCausalLM.from_pretrained(build_tiny(str(tmp_path / "tiny")))
+    advantages = grpo.group_advantages(batch.rewards, 4)
+    ub = grpo.prepare_update(batch, advantages, cfg, pad_id=0, device="cpu",
+                             idle=grpo.zero_gradient_rows(batch, cfg))
+    parity = []
+    grpo.accumulate_gradients(policy, ub, ub.minis[0], grpo.Passes(), cfg, 1.0,
+                              SimpleNamespace(beta=0.0), {}, parity, "update")
+    logprobs, _ = grpo.batch_logprobs(policy, ub, cfg, 1.0)  # the computed rows: 8 to 11
+    mixed = ub.mask[8:].bool()
+    want = (logprobs[8:][mixed] + 1.0).abs().mean().item()
+    update = grpo.Update(0.0, torch.tensor(0.0), 0, 1, 0, {}, parity)
+    metrics = log.step_metrics(update, ub, lr=1e-3)
+    assert mixed.sum() == 10 and ub.num_tokens == 30
+    assert metrics["sampler_logprob_diff_mean"] == pytest.approx(want, rel=1e-6)
+    assert metrics["sampler_logprob_diff_max"] == pytest.approx(
+        (logprobs[8:][mixed] + 1.0).abs().max().item(), rel=1e-6)
+
+
+HALF_FLAT = """from rewards import digits_reward
+
+
+def problems(split, n, seed):
+    return [{"id": f"{split}:{i}"} for i in range(n)]
+
+
+def prompt(problem):
+    return [{"role": "user", "content": "Write only digits: " + problem["id"]}]
+
+
+def reward(completion, problem):
+    if int(problem["id"].split(":")[1]) % 2:  # odd problems: every completion alike
+        return {"format": 0.0, "parsed": 1.0, "correct": 0.5}
+    return digits_reward(completion)
+"""
+
+
+def test_the_zero_gradient_shortcut_keeps_the_whole_run(tmp_path):
+    """skip_zero_gradient on and off give the same run: the same samples and every training
+    figure, step after step. Odd problems score every completion alike, so their groups have a zero
+    gradient; with a mini-batch per group (4 prompts a step, mini_batches=4) two of a step's four
+    are left with no row to compute. AdamW must still step there (zero gradient: its momentum moves
+    the weights), as after the full computation; a skipped step diverges from then on. A mini-batch
+    is one group, so the computed groups' passes are the same in both runs, bit for bit."""
+    from dev.compare_runs import compare
+
+    task = tmp_path / "half_flat.py"
+    task.write_text(HALF_FLAT)
+    runs = {}
+    for skip in (True, False):
+        runs[skip] = tmp_path / f"skip_{skip}"
+        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={runs[skip]}",
+                   "--engine=hf", f"--task={task}", "--train_size=4", "--mini_batches=4",
+                   "--max_steps=6", "--eval_every=0", "--sample_every=1",
+                   f"--skip_zero_gradient={skip}"])
+    on, off = (read_jsonl(runs[skip] / "metrics.jsonl") for skip in (True, False))
+    assert all(m["zero_gradient_steps"] == 2 for m in on)  # the case under test, every step
+    assert all(m["optimizer_steps"] == 4 and m["skipped_nonfinite"] == 0 for m in on + off)
+    assert all(m["zero_gradient_steps"] == 0 for m in off)  # off, every row is computed
+    assert sum(m["tokens_computed"] for m in on) < sum(m["tokens_computed"] for m in off)
+    # what the shortcut changes by design: the work, and the means over the rows it computed
+    ignore = {"tokens_computed", "pad_frac", "zero_gradient_steps", "entropy", "ratio",
+              "approx_kl_old", "clip_frac_low", "clip_frac_high", "sampler_logprob_diff_mean",
+              "sampler_logprob_diff_max"}
+    found = compare(runs[True], runs[False], ignore=ignore)
+    assert found == {"metrics.jsonl": [], "samples.jsonl": []}
