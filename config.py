@@ -162,7 +162,10 @@ class Config:
     warmup_steps: int = 5  # O1: warm-up steps (linear; 20-50 for long runs), then cosine decay
     min_lr_ratio: float = 0.1  # O1: the cosine's floor, a share of lr; 1.0 = constant after warm-up
     weight_decay: float = 0.0  # AdamW weight decay
-    adam_betas: tuple = (0.9, 0.99)  # AdamW betas
+    # beta2 0.99, not 0.999 (torch, TRL, verl): RL gradients shrink as groups saturate, and 0.99's
+    # second moment follows their scale over ~100 steps, not ~1,000 (OpenRLHF, DeepSeek: 0.95). In
+    # a 30-step run the two differ little: bias-corrected, both weigh the steps so far near-equally
+    adam_betas: tuple = (0.9, 0.99)  # AdamW betas (beta1, beta2)
     grad_clip: float = 1.0  # O2: clip the global grad norm to this; 0 = off
     dtype: str = "auto"  # O5: "bfloat16" | "float32" | "auto": bf16 on GPU and on a CPU with bf16
     # arithmetic (AMX, AVX-512 BF16), else fp32; the loss is fp32 either way
@@ -214,6 +217,7 @@ CHOICES = {
 # R4/R5: vLLM raises any temperature below this to it (lower ones give nan or inf), so the sampler
 # and the trainer would divide the logits by different temperatures
 MIN_TEMPERATURE = 0.01
+MAX_VLLM_TEMPERATURE = 2.0  # vLLM 0.33's SamplingParams refuse more
 
 
 class ConfigError(ValueError):
@@ -504,6 +508,9 @@ def validate(cfg):
              f"{name}={getattr(cfg, name)} is below {MIN_TEMPERATURE}, where logits / temperature "
              f"give nan or inf (vLLM raises it to {MIN_TEMPERATURE}, the trainer would not); "
              "sample at 0.7-1.0 (R4)")
+        need(getattr(cfg, name) <= MAX_VLLM_TEMPERATURE or cfg.engine == "hf",
+             f"{name}={getattr(cfg, name)}: vLLM refuses a temperature above "
+             f"{MAX_VLLM_TEMPERATURE} (its SamplingParams); lower it, or set engine='hf'")
     need(cfg.tool_open and cfg.tool_close and cfg.tool_close not in cfg.tool_open,
          f"tool_open={cfg.tool_open!r}, tool_close={cfg.tool_close!r}: both non-empty, and the "
          "close not inside the open (generation stops at the close), e.g. <python> and </python>")

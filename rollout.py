@@ -48,6 +48,14 @@ def derive_seed(*key):
     return int.from_bytes(digest, "little") >> 1
 
 
+def check_seeds(prompts, n, seeds):
+    """Both engines take one seed per row (prompt-major): a clear error for any other count, before
+    an engine indexes past the list or vLLM refuses unequal prompts and sampling settings."""
+    if len(seeds) != len(prompts) * n:
+        raise ValueError(f"seeds: one per row, {len(prompts)} prompts x n={n} = "
+                         f"{len(prompts) * n}; got {len(seeds)} (grpo.row_seeds makes them)")
+
+
 def stop_tokens(tokenizer, generation_config):
     """Token ids that end a completion: the tokenizer's EOS and every EOS the model's
     generation_config lists (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>). Both engines stop on
@@ -101,6 +109,7 @@ class VLLMEngine:
         """n completions per prompt; seeds: one per row (prompt-major); max_tokens: one budget, or
         one per prompt; stop: strings that end a completion (kept in it), plus the stop tokens."""
         from vllm import SamplingParams
+        check_seeds(prompts, n, seeds)
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         # tensor parallel: the group's ranks give the engine one batch; mine: this rank's own rows
         mine, prompts, seeds, budgets = parallel.gather_group(self.group, prompts, seeds, budgets)
@@ -180,6 +189,7 @@ class HFEngine:
     def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None,
                  progress=False):
         """As VLLMEngine.generate."""
+        check_seeds(prompts, n, seeds)
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         # every prompt's n rows in one batch, each row drawn from a generator of its own seed
         rows = [(list(p), seeds[i * n + j], m)

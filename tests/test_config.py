@@ -293,6 +293,8 @@ def test_is_correction_settings():
         ("--adam_betas=1.5,0.99", r"adam_betas=\(1.5, 0.99\): each must be in \[0, 1\)"),
         ("--temperature=1e-30", "temperature=1e-30 is below 0.01"),
         ("--temperature_end=0.001", "temperature_end=0.001 is below 0.01"),
+        ("--temperature=2.5", "vLLM refuses a temperature above 2.0"),  # at its first generate
+        ("--temperature_end=3.0", "temperature_end=3.0: vLLM refuses"),
         ("--out_dir=", "out_dir is empty"),
     ],
 )
@@ -306,6 +308,7 @@ def test_a_non_finite_item_of_a_tuple_setting_fails(tmp_path):
         load_config(write(tmp_path, "adam_betas = (0.9, float('nan'))\n"))
     cfg = load_config(overrides=["--adam_betas=0,0.999", "--temperature_end=0.9"])
     assert cfg.adam_betas == (0, 0.999)
+    assert load_config(overrides=["--engine=hf", "--temperature=2.5"]).temperature == 2.5
 
 
 def test_an_out_dir_that_is_a_file_or_cannot_be_made_fails(tmp_path):

@@ -159,6 +159,21 @@ def test_hf_engine_parity_and_fields(tiny):
             != before)
 
 
+def test_a_seed_count_other_than_one_per_row_is_a_clear_error(tiny):
+    """Both engines take one seed per row; one per prompt (2 for 2 prompts x 3) is refused with the
+    count it needs, not an IndexError deep in the decoding loop (or vLLM's "lengths of prompts and
+    params must be the same")."""
+    from rollout import check_seeds
+
+    _, _, tokenizer, policy, prompts = tiny
+    with pytest.raises(ValueError, match=r"2 prompts x n=3 = 6; got 2"):
+        HFEngine(policy, tokenizer).generate(prompts[:2], 3, seeds=[0, 1], temperature=1.0,
+                                             top_p=1.0, top_k=-1, max_tokens=4)
+    check_seeds([[1], [2]], 3, list(range(6)))  # the right count passes
+    with pytest.raises(ValueError, match="one per row"):
+        check_seeds([[1], [2]], 4, list(range(6)))
+
+
 @requires_vllm
 def test_vllm_lora_merged_push_matches_the_merged_trainer(tiny, vllm_engine):
     from peft import LoraConfig, get_peft_model
