@@ -19,8 +19,6 @@ components into one shaped reward per completion (W2-W3), whatever the task.
 """
 
 import ast
-import builtins
-import json
 import logging
 import math
 import re
@@ -495,135 +493,22 @@ def last_code_block(text):
     return body if first_line.strip() in ("", "python", "py", "python3") else None
 
 
-class _Inside(ast.NodeTransformer):
-    """Replaces each largest part of an assert that only the sandbox can compute by a name, __v0...
-
-    A part goes inside when it uses a name of the code's or the setup's (any name but a builtin,
-    one the test imports, or a lambda's or comprehension's own) and holds no value of the test's
-    outside a call of the code's: in `abs(f(x) - 1.5) < 1e-9` that is `f(x)`, so the code never
-    sees 1.5 or 1e-9.
-    """
-
-    OPERATIONS = (ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare, ast.IfExp, ast.Tuple, ast.List,
-                  ast.Set, ast.Dict, ast.Starred)
-    SPLIT = (*OPERATIONS, ast.Call, ast.Subscript)  # may be split into their parts
-    PARTS = (ast.Starred, ast.Slice, ast.FormattedValue)  # no values of their own
-    PLAIN = {"abs", "all", "any", "bool", "dict", "float", "int", "len", "list", "max", "min",
-             "repr", "round", "set", "sorted", "str", "sum", "tuple"}  # builtins with plain values
-
-    def __init__(self, trusted, steps):
-        self.trusted, self.steps = trusted, steps
-
-    def uses(self, node):
-        return any(isinstance(n, ast.Name) and n.id not in self.trusted for n in ast.walk(node))
-
-    def whole(self, node):
-        """True if all of `node` (which uses the code's names) goes inside: a call, item or
-        attribute of the code's (its arguments are inputs); an operation, or a builtin call, whose
-        every operand does (a builtin with a plain value, or one given a comprehension or lambda
-        over the code's names, which only the sandbox can compute); what cannot be split."""
-        if isinstance(node, ast.Call) and not self.uses(node.func):
-            parts = [*node.args, *(k.value for k in node.keywords)]
-            named = isinstance(node.func, ast.Name) and node.func.id in self.PLAIN
-            if not named and all(isinstance(p, (*self.SPLIT, ast.Attribute)) for p in parts):
-                return False  # e.g. type(f(x)): computed here, from the value f returned
-        elif isinstance(node, self.OPERATIONS):
-            parts = [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.expr)]
-        else:
-            return not isinstance(node, ast.Subscript) or self.uses(node.value)
-        return all(self.uses(p) and self.whole(p) for p in parts)
-
-    def visit(self, node):
-        if not isinstance(node, ast.expr) or isinstance(node, self.PARTS):
-            return self.generic_visit(node)
-        if not self.uses(node):
-            return node  # all the test's own: evaluated here
-        if isinstance(node, self.SPLIT) and not self.whole(node):
-            return self.generic_visit(node)
-        name = f"__v{sum(kind == 'eval' for kind, _ in self.steps)}"
-        self.steps.append(("eval", ast.unparse(node)))
-        return ast.Name(name, ast.Load())
-
-
-def _bound_locally(node):
-    """The names a lambda or a comprehension in `node` binds for itself."""
-    names = set()
-    for n in ast.walk(node):
-        if isinstance(n, ast.Lambda):
-            a = n.args
-            names |= {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]}
-            names |= {x.arg for x in (a.vararg, a.kwarg) if x}
-        elif isinstance(n, ast.comprehension):
-            names |= {t.id for t in ast.walk(n.target) if isinstance(t, ast.Name)}
-    return names
-
-
-def _as_json(x):
-    """A value as a dataset's JSON holds it: tuples as lists; a set or a non-string key fails."""
-    if type(x) in (list, tuple):
-        return [_as_json(v) for v in x]
-    if type(x) is dict and all(type(k) is str for k in x):
-        return {k: _as_json(v) for k, v in x.items()}
-    if type(x) in (dict, set):
-        raise TypeError("not a JSON value")
-    return x
-
-
-def split_test(test):
-    """A code test split at the sandbox's wall: (steps run inside, check(values) -> passed, here).
-
-    The code under test never sees an expected value (W1): only inputs enter the sandbox.
-    {"call": "add(1, 2)", "expected": 3}: the call is evaluated inside, its value compared here
-    exactly (type and value; tuples as lists, as in JSON). An assert test, e.g.
-    "x = [3, 1]\nassert f(x) == [1, 3]": its other statements run inside (inputs; its imports run
-    here too) and each assert is split by _Inside: the parts that use the code's names are evaluated
-    inside, the rest here, over their values. Raises SyntaxError on a test that does not parse.
-    """
-    if isinstance(test, dict):
-        want = json.loads(json.dumps(test["expected"]))
-        return [("eval", test["call"])], lambda values: _as_json(values[0]) == want
-    steps, checks, scope = [], [], {}
-    for statement in ast.parse(test).body:
-        if isinstance(statement, ast.Assert):
-            trusted = set(dir(builtins)) | set(scope) | _bound_locally(statement.test)
-            checks.append(ast.unparse(_Inside(trusted, steps).visit(statement.test)))
-            continue
-        if isinstance(statement, (ast.Import, ast.ImportFrom)):  # the test's modules, here as there
-            exec(compile(ast.Module([statement], []), "test", "exec"), scope)
-        steps.append(("exec", ast.unparse(statement)))
-
-    def check(values):
-        names = {**scope, **{f"__v{i}": v for i, v in enumerate(values)}}
-        return all(eval(c, names) for c in checks)  # the dataset's code: trusted, as the task file
-
-    return steps, check
-
-
-def code_reward(text, tests, timeout=5.0):
+def code_reward(text, tests, timeout=5.0, setup=""):
     """Code: run the last ```python block against `tests`; correct = fraction passed (W1).
 
-    tests: a list of assert statements ("assert add(1, 2) == 3", setup lines allowed), or of
-    {"call": "add(1, 2)", "expected": 3} checked exactly (type and value). Either way no expected
-    value enters the sandbox (split_test); a test that does not parse, raises or fails scores 0.
+    tests: assert tests ("assert add(1, 2) == 3", setup lines, asserts in a function or a loop:
+    HumanEval's `def check(candidate): ...` then `check(add)`), {"call": "add(1, 2)", "expected": 3}
+    checked exactly (type and value), or {"stdin": "1 2", "stdout": "3"} for a program (APPS);
+    `setup` (MBPP's test_imports and test_setup_code) runs before each assert test. No expected
+    value enters the code's sandbox, and no test runs outside a sandbox (sandbox.run_tests); a test
+    that does not parse, raises or fails scores 0.
     """
     out = {"format": float(has_format(text)), "parsed": 0.0, "correct": 0.0}
     code = last_code_block(extract_answer(text) or text)
     if not code or not tests:
         return out
     out["parsed"] = 1.0
-    parts = []
-    for test in tests:
-        try:
-            parts.append(split_test(test))
-        except Exception:  # a malformed test, or an import it lacks here: it fails, as inside
-            parts.append(([], None))
-    passed = 0
-    for (_, check), values in zip(parts, run_tests(code, [steps for steps, _ in parts], timeout)):
-        try:
-            passed += check is not None and values is not None and bool(check(values))
-        except Exception:  # an assert that raises on the values the code returned
-            pass
-    out["correct"] = passed / len(tests)
+    out["correct"] = sum(run_tests(code, tests, timeout, setup=setup)) / len(tests)
     return out
 
 

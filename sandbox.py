@@ -344,83 +344,311 @@ def _end(proc, cgroups):
             pipe.close()
 
 
-# Runs inside the sandbox. The job (the code, and each test's steps: inputs only, no expected value)
-# arrives on stdin, so nothing is written to disk. User output goes to /dev/null; each test's values
-# go, one JSON line per test, to a private copy of stdout: what the code writes there is its output.
-HARNESS = r"""
-import json, os, resource, sys
-job = json.loads(sys.stdin.read())
-out = os.fdopen(os.dup(1), "w")
+# ---------------------------------------------------------------- running tests of code
+
+# Code values cross between processes as JSON of exact builtin types, tuples, sets and dicts tagged:
+# an object whose == lies is never a value. Anything else stays where it was made, as a handle.
+PLAIN = r"""
+exact = type
+def encode(x, keep=None):
+    if x is None or exact(x) in (bool, int, float, str): return x
+    if exact(x) is list: return [encode(v, keep) for v in x]
+    if exact(x) in (tuple, set): return {exact(x).__name__: [encode(v, keep) for v in x]}
+    if exact(x) is dict: return {"dict": [[encode(k, keep), encode(v, keep)] for k, v in x.items()]}
+    if keep is None: raise TypeError("not a plain value")
+    return {"handle": keep(x)}
+def decode(x, handle=None):
+    if x is None or exact(x) in (bool, int, float, str): return x
+    if exact(x) is list: return [decode(v, handle) for v in x]
+    [(kind, items)] = x.items()
+    if kind == "handle" and handle is not None: return handle(items)
+    return {"tuple": tuple, "set": set, "dict": lambda kv: dict((k, v) for k, v in kv)}[kind](
+        [decode(v, handle) for v in items])
+"""
+
+# The solution's process. It runs the model's code, then answers requests, one JSON line each:
+# the value of a name, a call, an attribute, an item, the items of an iterable, a {call} test's
+# expression. It sees the arguments of the calls (the tests' inputs) and nothing else: no expected
+# value, no test's text. A value that is not plain stays here as a handle (a function, a class, a
+# generator): the tests' process can call it, take its attributes or items, or list it.
+SOLUTION = PLAIN + r"""
+import builtins, io, itertools, json, os, resource, sys
+inp, out = os.fdopen(os.dup(0)), os.fdopen(os.dup(1), "w")
+job = json.loads(inp.readline())
 null = os.open(os.devnull, os.O_RDWR)
 os.dup2(null, 0); os.dup2(null, 1); os.dup2(null, 2)
 for name, limit in job["limits"].items():
     resource.setrlimit(getattr(resource, name), (limit, limit))
-exact = type
-def encode(x):  # exact builtin types, tuples and sets tagged: an object whose == lies stays here
-    if x is None or exact(x) in (bool, int, float, str): return x
-    if exact(x) is list: return [encode(v) for v in x]
-    if exact(x) in (tuple, set): return {exact(x).__name__: [encode(v) for v in x]}
-    if exact(x) is dict: return {"dict": [[encode(k), encode(v)] for k, v in x.items()]}
-    raise TypeError("not a plain value")
-scope = {"__name__": "__main__"}
+code, handles = job.pop("code"), []
+def keep(x):
+    handles.append(x); return len(handles) - 1
+def run(stdin=""):
+    sys.stdin, sys.stdout, scope = io.StringIO(stdin), io.StringIO(), {"__name__": "__main__"}
+    try:
+        exec(compile(code, "solution.py", "exec"), scope)
+    finally:
+        printed, sys.stdin, sys.stdout = sys.stdout.getvalue(), sys.__stdin__, sys.__stdout__
+    return scope, printed
+me = os.getpid()
 try:
-    exec(compile(job["code"], "solution.py", "exec"), scope); loaded = True
+    scope, loaded = run()[0] if job["load"] else {}, True
 except BaseException:
     loaded = False
-for i, steps in enumerate(job["tests"]):
-    values = None
+def answer(req):
+    if not loaded: raise ImportError("the code did not run")
+    op, ref = req["op"], req.get("ref")
+    if op == "name":
+        if req["name"] not in scope: raise NameError(req["name"])
+        value = scope[req["name"]]
+        return {"module": True} if exact(value) is exact(sys) else {"value": encode(value, keep)}
+    if op == "program":
+        return {"value": run(req["stdin"])[1]}
+    if op == "eval":
+        return {"value": encode(eval(compile(req["source"], "test", "eval"), scope))}
+    if op == "call":
+        args = [decode(a, handles.__getitem__) for a in req["args"]]
+        kwargs = {k: decode(v, handles.__getitem__) for k, v in req["kwargs"].items()}
+        value = handles[ref](*args, **kwargs)
+        # what the call did to a list, dict or set it was given goes back (in-place edits)
+        back = [encode(a, keep) if exact(a) in (list, dict, set) else None for a in args]
+        return {"value": encode(value, keep), "args": back}
+    if op == "attr":
+        return {"value": encode(getattr(handles[ref], req["name"]), keep)}
+    if op == "item":
+        return {"value": encode(handles[ref][decode(req["key"], handles.__getitem__)], keep)}
+    if op == "iter":
+        return {"value": [encode(v, keep) for v in itertools.islice(handles[ref], job["cap"])]}
+    if op == "len":
+        return {"value": len(handles[ref])}
+    raise ValueError(op)
+while os.getpid() == me:  # a process the code forked ends here: one process answers
+    line = inp.readline()
+    if not line: break
     try:
-        if loaded:
-            values = []
-            for kind, source in steps:
-                if kind == "exec":
-                    exec(compile(source, f"test_{i}", "exec"), scope)
-                else:
-                    values.append(encode(eval(compile(source, f"test_{i}", "eval"), scope)))
-        line = json.dumps([i, values])
+        req = json.loads(line)
+        reply = answer(req)
+    except BaseException as e:  # only a builtin exception's name leaves: nothing of the code's
+        name = exact(e).__name__
+        reply = {"raise": name if getattr(builtins, name, None) is exact(e) else "Exception"}
+    try:
+        text = json.dumps(reply)
     except BaseException:
-        line = json.dumps([i, None])
-    out.write(line + "\n"); out.flush()
+        text = json.dumps({"raise": "ValueError"})
+    if os.getpid() != me: break
+    out.write(text + "\n"); out.flush()
+os._exit(0)
+"""
+
+# The tests' process. Each test (with the setup lines before it) runs here as written, asserts in
+# functions and loops too, with the expected values; a name it does not define is the solution's
+# (a standard module's name is imported here: math.isclose(f(x), 1.5) never hands 1.5 to the
+# solution). A call of the solution's goes out as a request; plain values come back. A handle
+# cannot be compared, hashed or tested for truth: only plain values can pass a test.
+TESTS = PLAIN + r"""
+import builtins, importlib, json, os, resource, sys
+inp, out = os.fdopen(os.dup(0)), os.fdopen(os.dup(1), "w")
+job = json.loads(inp.readline())
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0); os.dup2(null, 1); os.dup2(null, 2)
+for name, limit in job["limits"].items():
+    resource.setrlimit(getattr(resource, name), (limit, limit))
+def ask(**req):
+    out.write(json.dumps({"ask": req}) + "\n"); out.flush()
+    reply = json.loads(inp.readline())
+    if "raise" in reply:
+        kind = getattr(builtins, reply["raise"], Exception)
+        raise kind("raised in the solution") if isinstance(kind, type) else Exception()
+    return reply
+def local(x):
+    return decode(x, Remote)
+def sent(x):
+    return encode(x, lambda r: r.ref if exact(r) is Remote else refuse(r))
+def refuse(*args):
+    raise TypeError("only plain values and the solution's own objects go to the solution")
+class Remote:
+    __slots__ = ("ref",)
+    def __init__(self, ref): self.ref = ref
+    def __call__(self, *args, **kwargs):
+        reply = ask(op="call", ref=self.ref, args=[sent(a) for a in args],
+                    kwargs={k: sent(v) for k, v in kwargs.items()})
+        for given, back in zip(args, reply["args"]):  # in-place edits of a list, dict or set
+            if back is not None and type(given) is type(local(back)):
+                new = local(back)
+                if type(given) is list: given[:] = new
+                else: given.clear(); given.update(new)
+        return local(reply["value"])
+    def __getattr__(self, name): return local(ask(op="attr", ref=self.ref, name=name)["value"])
+    def __getitem__(self, key): return local(ask(op="item", ref=self.ref, key=sent(key))["value"])
+    def __iter__(self): return iter([local(v) for v in ask(op="iter", ref=self.ref)["value"]])
+    def __len__(self): return ask(op="len", ref=self.ref)["value"]
+    def __repr__(self): return "<a value of the solution's>"
+    def opaque(self, *args): raise TypeError("a value of the solution's that is not plain")
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __hash__ = opaque
+class Names(dict):
+    def __missing__(self, name):
+        if hasattr(builtins, name): return getattr(builtins, name)
+        if name in sys.stdlib_module_names:  # always the real module: never the solution's "math"
+            return importlib.import_module(name)
+        reply = ask(op="name", name=name)
+        if "module" in reply: raise NameError(name)
+        return local(reply["value"])
+for i, test in enumerate(job["tests"]):
+    try:
+        names = Names(__name__="__main__")
+        exec(compile(job["setup"], "setup", "exec"), names)
+        exec(compile(test, f"test_{i}", "exec"), names)
+        passed = True
+    except BaseException:
+        passed = False
+    out.write(json.dumps({"test": i, "passed": passed}) + "\n"); out.flush()
 """
 
 
-def decode(x):
-    """A value from the harness's JSON, of exact builtin types only; raises on anything else."""
+def _decode(x):
+    """A value from the solution's JSON, of exact builtin types only; raises on anything else."""
     if x is None or type(x) in (bool, int, float, str):
         return x
     if type(x) is list:
-        return [decode(v) for v in x]
+        return [_decode(v) for v in x]
     [(kind, items)] = x.items()
-    return {"tuple": tuple, "set": set, "dict": dict}[kind]([decode(v) for v in items])
+    return {"tuple": tuple, "set": set, "dict": dict}[kind]([_decode(v) for v in items])
 
 
-def run_tests(code, tests, timeout=5.0, memory_mb=512):
-    """Run `code`, then each test's steps, in the sandbox: per test its eval steps' values, or None.
+def _as_json(x):
+    """A value as a dataset's JSON holds it: tuples as lists; a set or a non-string key fails."""
+    if type(x) in (list, tuple):
+        return [_as_json(v) for v in x]
+    if type(x) is dict and all(type(k) is str for k in x):
+        return {k: _as_json(v) for k, v in x.items()}
+    if type(x) in (dict, set):
+        raise TypeError("not a JSON value")
+    return x
 
-    tests: per test a list of steps ("exec", statement) or ("eval", expression), run in order in the
-    code's namespace. None: a step raised, a value was not plain (int, float, str, bool, None,
-    list, tuple, dict, set), the line was missing or malformed, or the run passed `timeout` (W1:
-    then every test fails). Only these inputs enter the sandbox; the caller compares the values.
-    Raises SandboxError where the tier ALLOWED cannot be had.
-    """
-    proc, cgroups, limits = _start(HARNESS, subprocess.DEVNULL, timeout, memory_mb)
-    try:
-        job = json.dumps({"code": code, "tests": tests, "limits": limits}).encode()
-        out, how = _exchange(proc, job, time.monotonic() + timeout, MAX_RESULT_BYTES)
-    finally:
-        _end(proc, cgroups)
-    results = [None] * len(tests)
-    for line in out.splitlines() if how != "timed out" else []:
+
+class _Line:
+    """Reads a process's output a JSON line at a time, under a deadline and a byte cap."""
+
+    def __init__(self, proc, deadline):
+        self.proc, self.deadline, self.buffer, self.read = proc, deadline, b"", 0
+
+    def __call__(self):
+        """The next line as JSON; None at its end, past the deadline or the cap, or not JSON."""
+        while b"\n" not in self.buffer:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or self.read > MAX_RESULT_BYTES:
+                return None
+            if not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                return None
+            self.buffer += chunk
+            self.read += len(chunk)
+        line, self.buffer = self.buffer.split(b"\n", 1)
         try:
-            i, values = json.loads(line)
-            values = [decode(v) for v in values] if type(values) is list else None
-        except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
-            continue  # a line cut at the output limit, or one the code wrote: no result
-        if values is None or type(i) is not int or not 0 <= i < len(tests):
+            return json.loads(line)
+        except (ValueError, RecursionError):
+            return None
+
+
+def _send(proc, message, deadline):
+    """One JSON line to a process's stdin by the deadline; False if it is gone or not reading."""
+    todo = memoryview((json.dumps(message) + "\n").encode())
+    fd = proc.stdin.fileno()
+    os.set_blocking(fd, False)
+    while todo:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [fd], [], left)[1]:
+            return False
+        try:
+            todo = todo[os.write(fd, todo):]
+        except BlockingIOError:
             continue
-        if results[i] is None and len(values) == sum(kind == "eval" for kind, _ in tests[i]):
-            results[i] = values  # a test's first line with its values counts
-    return results
+        except OSError:
+            return False
+    return True
+
+
+def run_tests(code, tests, timeout=5.0, memory_mb=512, setup=""):
+    """Run `code` against `tests` in the sandbox: per test, passed or not (W1).
+
+    tests: assert tests (strings: statements, asserts in functions and loops too; `setup` runs
+    before each), {"call": expression, "expected": value} (the value compared here exactly, as
+    JSON holds it), or {"stdin": text, "stdout": text} (a program's printed lines compared here,
+    each stripped). The code runs in one sandbox and sees the calls' inputs only; the assert tests
+    run in a second one, with the expected values, the code's values reaching them as plain data.
+    Nothing of the tests runs outside a sandbox. Past `timeout` every test fails (W1). Raises
+    SandboxError where the tier ALLOWED cannot be had.
+    """
+    strings = [t for t in tests if isinstance(t, str)]
+    programs = any(isinstance(t, dict) and "stdin" in t for t in tests)
+    deadline, ends = time.monotonic() + timeout, []
+    try:
+        solution, cgroups, limits = _start(SOLUTION, subprocess.DEVNULL, timeout, memory_mb)
+        ends.append((solution, cgroups))
+        load = not programs  # a program reads its input when it runs: one run per test
+        _send(solution, {"code": code, "load": load, "limits": limits, "cap": 10_000}, deadline)
+        answers = _Line(solution, deadline)
+
+        def ask(request):  # the solution's reply to one request, or None
+            return answers() if _send(solution, request, deadline) else None
+
+        results = [_own_test(t, ask) if isinstance(t, dict) else None for t in tests]
+        if strings:
+            checker, cgroups, limits = _start(TESTS, subprocess.DEVNULL, timeout, memory_mb)
+            ends.append((checker, cgroups))
+            _send(checker, {"tests": strings, "setup": setup, "limits": limits}, deadline)
+            verdicts = _relay(checker, ask, deadline)
+            where = [i for i, t in enumerate(tests) if isinstance(t, str)]
+            for k, i in enumerate(where):
+                results[i] = verdicts.get(k, False)
+    finally:
+        for proc, cgroups in ends:
+            _end(proc, cgroups)
+    if time.monotonic() > deadline:
+        return [False] * len(tests)
+    return [bool(r) for r in results]
+
+
+def _own_test(test, ask):
+    """A {call, expected} or {stdin, stdout} test, judged here from the solution's plain reply."""
+    if set(test) == {"stdin", "stdout"} and all(type(v) is str for v in test.values()):
+        reply = ask({"op": "program", "stdin": test["stdin"]})
+        printed = reply.get("value") if isinstance(reply, dict) else None
+        return type(printed) is str and _lines(printed) == _lines(test["stdout"])
+    if set(test) != {"call", "expected"} or type(test["call"]) is not str:
+        return False  # a malformed test fails, as one that raises
+    reply = ask({"op": "eval", "source": test["call"]})
+    try:
+        value = _decode(reply["value"])
+        return _as_json(value) == json.loads(json.dumps(test["expected"]))
+    except (TypeError, KeyError, ValueError, AttributeError, RecursionError):
+        return False
+
+
+def _lines(text):
+    """A program's output as APPS compares it: its lines, each stripped, none blank at the end."""
+    return [line.strip() for line in text.strip().splitlines()]
+
+
+REMOTE_OPS = ("name", "call", "attr", "item", "iter", "len")  # what the tests may ask the solution
+
+
+def _relay(checker, ask, deadline):
+    """Pass the tests' requests to the solution and its replies back: {test index: passed}."""
+    verdicts, lines = {}, _Line(checker, deadline)
+    while (message := lines()) is not None:
+        if type(message) is not dict:
+            break
+        if "ask" in message:
+            request = message["ask"]
+            ok = type(request) is dict and request.get("op") in REMOTE_OPS
+            reply = ask(request) if ok else None
+            if reply is None or not _send(checker, reply, deadline):
+                break
+        elif type(message.get("test")) is int and type(message.get("passed")) is bool:
+            verdicts.setdefault(message["test"], message["passed"])
+    return verdicts
 
 
 # Runs inside the sandbox: the code arrives on stdin; what it prints is the tool's output. An

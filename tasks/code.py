@@ -6,12 +6,17 @@ Each problem asks for one function ("kth_largest(xs) returns the 2nd largest ele
 tests are calls with inputs drawn from the problem's own seed and the expected values of its
 reference solution (kept as "solution"), checked exactly by rewards.code_reward: the calls run in
 the sandbox (sandbox.py), the expected values stay outside it. correct = the share of tests passed.
-An MBPP-style dataset works the same (data_path, one row per problem):
+A dataset works the same (data_path, one row per problem):
 
     {"prompt": "Write add(a, b) that returns a + b.", "tests": ["assert add(1, 2) == 3"]}
 
-with "tests" a list of assert statements or of {"call": "add(1, 2)", "expected": 3} (exact, safer
-for training); MBPP's own columns map with data_columns="text:prompt,test_list:tests".
+with "tests" a list of assert tests (setup lines, asserts in a function or a loop), of
+{"call": "add(1, 2)", "expected": 3} (exact, safer for training), or of {"stdin": ...,
+"stdout": ...} for a program (APPS). MBPP's own columns map with
+data_columns="text:prompt,test_list:tests"; its test_imports and test_setup_code run before each
+test. A HumanEval row (prompt, test, entry_point, canonical_solution) needs no mapping: its test is
+run as HumanEval's harness runs it, then check(entry_point). No test runs outside the sandbox
+(sandbox.run_tests).
 """
 
 import json
@@ -129,25 +134,53 @@ def prompt(problem):
     return [{"role": "user", "content": problem["prompt"]}]
 
 
+def tests_and_setup(problem):
+    """(tests, setup) of a row: its "tests" and MBPP's test_imports + test_setup_code, or a
+    HumanEval row's test then check(entry_point)."""
+    if "tests" not in problem and "entry_point" in problem:  # HumanEval
+        return [f"{problem['test']}\ncheck({problem['entry_point']})"], ""
+    setup = "\n".join([*problem.get("test_imports", []), problem.get("test_setup_code", "")])
+    return problem["tests"], setup
+
+
 def reward(completion, problem):
-    return code_reward(completion, problem["tests"])
+    tests, setup = tests_and_setup(problem)
+    return code_reward(completion, tests, setup=setup)
 
 
 def reference(problem):
-    """The reference solution ("solution"; MBPP's rows keep theirs as "code"), else None."""
+    """The reference solution ("solution"; MBPP's rows keep theirs as "code", HumanEval's the body
+    after its prompt), else None."""
     solution = problem.get("solution") or problem.get("code")
+    if "canonical_solution" in problem:
+        solution = problem["prompt"] + problem["canonical_solution"]
     if not solution:
         return None
     return f"<think>Write it.</think><answer>```python\n{solution}\n```</answer>"
 
 
+SHAPES = ({"call", "expected"}, {"stdin", "stdout"})  # the dict tests run_tests takes
+
+
 def check(problem):
-    """A dataset row: a non-empty "prompt" and a non-empty list of "tests"
-    (assert strings or {call, expected})."""
+    """A dataset row: a non-empty "prompt" and a non-empty list of "tests" (assert strings,
+    {call, expected} or {stdin, stdout}); MBPP's test_imports (strings) and test_setup_code; or
+    HumanEval's test and entry_point."""
     if not isinstance(problem.get("prompt"), str) or not problem["prompt"].strip():
         raise ValueError('needs a non-empty string "prompt"')
+    if "tests" not in problem and "entry_point" in problem:
+        entry = str(problem["entry_point"])
+        if not isinstance(problem.get("test"), str) or not entry.isidentifier():
+            raise ValueError('a HumanEval row needs a string "test" and an "entry_point" name')
+        return
     tests = problem.get("tests")
     if (not isinstance(tests, list) or not tests
-            or not all(isinstance(t, (str, dict)) for t in tests)):
-        raise ValueError('"tests" must be a non-empty list of assert strings or {call, expected} '
-                         'objects')
+            or not all(isinstance(t, str) or isinstance(t, dict) and set(t) in SHAPES
+                       for t in tests)):
+        raise ValueError('"tests" must be a non-empty list of assert strings, {call, expected} '
+                         'or {stdin, stdout} objects')
+    imports = problem.get("test_imports", [])
+    if not isinstance(imports, list) or not all(isinstance(i, str) for i in imports):
+        raise ValueError('"test_imports" must be a list of import statements (strings)')
+    if not isinstance(problem.get("test_setup_code", ""), str):
+        raise ValueError('"test_setup_code" must be a string')

@@ -7,7 +7,8 @@
     {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3"]}  # code (tasks/code.py)
 
 The file is .jsonl, .parquet or .csv, or a datasets folder (data/files.py); --task=FILE is shorthand
-for --task=dataset --data_path=FILE. A row with "tests" is scored as code, any other as math.
+for --task=dataset --data_path=FILE. A row with "tests" (or HumanEval's "entry_point") is scored as
+code, any other as math.
 """
 
 import os
@@ -21,7 +22,7 @@ configure = math_task.configure
 
 
 def _task(problem):
-    return code_task if "tests" in problem else math_task
+    return code_task if "tests" in problem or "entry_point" in problem else math_task
 
 
 def RUNS_CODE(problem):  # a code row runs the model's code, in the sandbox (task.check_sandbox)

@@ -287,6 +287,125 @@ def test_forged_result_lines_score_nothing():
     assert code_reward(C(forge), SECRET_TESTS)["correct"] == 0.0
 
 
+# Every assert shape of MBPP, HumanEval and APPS: (tests, setup, an honest solution). The expected
+# values are 4-digit numbers the solution cannot guess; square(x) = x * x + 7000.
+SHAPES = {
+    # MBPP: a module the test uses but does not import (its test_imports are the setup)
+    "mbpp import": (["assert math.isclose(square(3), 7009.0)"], "",
+                    "def square(x): return x*x + 7000"),
+    "mbpp test_imports": (["assert math.isclose(square(3), 7009.0)"], "import math",
+                          "def square(x): return x*x + 7000"),
+    # the expected value in a setup line, then compared
+    "setup line": (["expected = [7004, 7001]\nassert squares([2, 1]) == expected"], "",
+                   "def squares(xs): return [x*x + 7000 for x in xs]"),
+    # HumanEval: asserts in a function, called on the entry point; and in a loop
+    "humaneval": (["def check(candidate):\n    assert candidate(2) == 7004\n"
+                   "    assert candidate(3) == 7009\ncheck(square)"], "",
+                  "def square(x): return x*x + 7000"),
+    "loop": (["for x, y in [(2, 7004), (5, 7025)]:\n    assert square(x) == y"], "",
+             "def square(x): return x*x + 7000"),
+    # truth and its negation
+    "not": (["assert big(7500)", "assert not big(6500)"], "", "def big(x): return x > 7000"),
+    # a call test (exact) and a program's output (APPS)
+    "call": ([{"call": "square(4)", "expected": 7016}], "", "def square(x): return x*x + 7000"),
+    "apps": ([{"stdin": "4\n", "stdout": "7016\n"}], "", "print(int(input()) ** 2 + 7000)"),
+}
+
+# a solution that solves nothing and reaches for the tests by every road it has: the tests' text
+# and values in its frames, objects and stdin (the expected value after "f(args) ==", in a setup
+# line, in a loop's cases; whether a call is negated), a fake `math`, an object equal to anything
+CHEAT = r"""
+import ast, gc, re, sys
+class Yes:
+    def __eq__(self, other): return True
+    def __bool__(self): return True
+    def __hash__(self): return 0
+class FakeMath:
+    def isclose(self, *args, **kwargs): return True
+math = FakeMath()
+def texts():
+    frame, out = sys._getframe(), []
+    while frame:
+        out += [repr(frame.f_locals), repr(frame.f_globals)]
+        frame = frame.f_back
+    return out + [repr(o) for o in gc.get_objects() if isinstance(o, (str, dict, list))]
+def guess(*args):
+    shown = ", ".join(map(repr, args))
+    patterns = [r"\(" + re.escape(shown) + r"\)\s*==\s*([^\s\\]+)",  # f(2) == 7004
+                r"\(" + re.escape(shown) + r",\s*(\d+)\)",  # for x, y in [(2, 7004)]
+                r"expected\s*=\s*(\[[^\]]*\])"]  # a setup line
+    for text in texts():
+        if re.search(r"not \w+\(" + re.escape(shown) + r"\)", text): return False
+        for pattern in patterns:
+            for found in re.findall(pattern, text):
+                try: return ast.literal_eval(found)
+                except Exception: pass
+    return Yes()
+square = squares = big = guess
+"""
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_assert_shape_hides_its_expected_values(shape, tmp_path):
+    """Each shape of MBPP, HumanEval and APPS tests: the honest solution passes, one that solves
+    nothing scores 0 whatever it reads or returns (the old split harness gave it 1.0 on four of
+    these shapes and 0.5 on "not"), and nothing of the tests runs outside a sandbox (a test that
+    writes a file leaves none here)."""
+    tests, setup, honest = SHAPES[shape]
+    assert code_reward(C(honest), tests, setup=setup)["correct"] == 1.0
+    assert code_reward(C(CHEAT), tests, setup=setup)["correct"] == 0.0
+    marker = tmp_path / "ran_outside"
+    planted = f"open({str(marker)!r}, 'w').write('x')\n"
+    if isinstance(tests[0], str):  # a test's own statements, the setup's too, run sandboxed
+        code_reward(C(honest), [planted + tests[0]], setup=planted + setup)
+        code_reward(C(honest), [f"assert {planted.strip()} == 1"])
+    else:
+        code_reward(C(honest), [{"call": planted.strip(), "expected": 1}])
+    assert not marker.exists()
+
+
+def test_mbpp_and_humaneval_rows_run_as_their_own_harnesses_run_them():
+    """An MBPP row: its test_imports and test_setup_code before each test (math.isclose with no
+    import of the test's own); a HumanEval row: its test, then check(entry_point). The reference
+    passes, the cheat scores 0."""
+    from task import import_file
+
+    code_task = import_file(os.path.join(ROOT, "tasks", "code.py"))
+    mbpp = {"prompt": "Write square.", "tests": ["assert math.isclose(square(3), 7009.0)",
+                                                 "assert square(base) == 7016"],
+            "test_imports": ["import math"], "test_setup_code": "base = 4",
+            "code": "def square(x): return x*x + 7000"}
+    humaneval = {"prompt": "def square(x):\n", "canonical_solution": "    return x*x + 7000\n",
+                 "entry_point": "square", "test": "METADATA = {}\n\ndef check(candidate):\n"
+                 "    assert candidate(2) == 7004\n    assert candidate(3) == 7009\n"}
+    for row in (mbpp, humaneval):
+        code_task.check(row)
+        assert code_task.reward(code_task.reference(row), row)["correct"] == 1.0
+        assert code_task.reward(C(CHEAT), row)["correct"] == 0.0
+    with pytest.raises(ValueError, match="test_imports"):
+        code_task.check({**mbpp, "test_imports": "import math"})
+
+
+def test_a_value_of_the_solutions_that_is_not_plain_passes_nothing():
+    """Only plain values are compared: a generator, a class instance or a function cannot stand
+    for a list or a number; the tests may still call, list, index and take attributes of them."""
+    code = textwrap.dedent("""
+        class Box:
+            def __init__(self, v): self.v = v
+            def get(self): return self.v
+        def gen(n): return (i for i in range(n))
+        def box(v): return Box(v)
+        def shuffle(xs): xs.reverse()
+    """)
+    passing = ["assert list(gen(3)) == [0, 1, 2]", "assert box(5).v == 5 and box(6).get() == 6",
+               "assert 2 in gen(3)", "xs = [1, 2]\nshuffle(xs)\nassert xs == [2, 1]",
+               "b = box(1)\nassert b.get() + 1 == 2"]
+    failing = ["assert gen(3) == [0, 1, 2]", "assert box(5) == 5", "assert box(5)",
+               "assert {box(1): 1}", "assert box(1) < 2"]
+    assert sandbox.run_tests(code, passing) == [True] * len(passing)
+    assert sandbox.run_tests(code, failing) == [False] * len(failing)
+
+
 def test_honest_solutions_pass_assert_and_call_tests():
     code = textwrap.dedent("""
         def half(x):
@@ -349,19 +468,22 @@ def test_memory_is_bounded_for_the_whole_sandbox():
 
 @full_sandbox
 def test_a_flood_on_the_result_pipe_is_read_only_to_its_cap():
-    """The code writes 600 MB where the harness writes its results: the caller reads 1 MB of it."""
+    """The code writes 600 MB where the harness writes its replies (every descriptor it may have):
+    the caller reads 1 MB of it, and the test fails."""
     script = textwrap.dedent(f"""
         import resource, sys
         sys.path.insert(0, {ROOT!r})
         import sandbox
-        flood = "import os\\nfor _ in range(600):\\n    os.write(3, b'x' * (1 << 20))\\n"
+        flood = ("import os\\nfor _ in range(600):\\n    for fd in (3, 4, 5):\\n"
+                 "        try: os.write(fd, b'x' * (1 << 20))\\n        except OSError: pass\\n")
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        got = sandbox.run_tests(flood + "def f(): return 1", [[("eval", "f()")]], timeout=30)
+        got = sandbox.run_tests(flood + "def f(): return 1", [{{"call": "f()", "expected": 1}}],
+                                timeout=30)
         print(got, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120).stdout.split()
-    assert out[0] == "[None]" and int(out[1]) < 50_000, out  # kB: the peak grew by less than 50 MB
+    assert out[0] == "[False]" and int(out[1]) < 50_000, out  # kB: the peak grew by less than 50 MB
 
 
 @full_sandbox
@@ -469,7 +591,7 @@ def test_kill_9_of_the_trainer_ends_its_reward_workers(tmp_path):
 @full_sandbox
 @pytest.mark.parametrize("call", [
     "run_python('import time; time.sleep(60)', timeout=100)",
-    "run_tests('import time\\ntime.sleep(60)', [[('eval', '1')]], timeout=100)"])
+    "run_tests('import time\\ntime.sleep(60)', ['assert f() == 1'], timeout=100)"])
 def test_kill_9_of_a_caller_ends_its_sandbox(call):
     script = f"import sys\nsys.path.insert(0, {ROOT!r})\nimport sandbox\nsandbox.best()\n"
     script += f"print('probed', flush=True)\nsandbox.{call}"
