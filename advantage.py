@@ -5,6 +5,8 @@ contiguous: [p0c0, p0c1, ..., p0c(G-1), p1c0, ...]. Every completion's advantage
 measured against its own group, and the same advantage is used for every token it produced.
 """
 
+import math
+
 import torch
 
 
@@ -38,6 +40,9 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
     clip:     clamp to [-clip, clip] after normalising; 0 = off (A3).
     batch_sum: with scale="batch" under torchrun, a function that sums a number over the ranks
               (parallel.all_sum), so the std is the global batch's; None = these rewards alone.
+    A NaN reward (a completion every TRL reward function left unscored) is left out of its group's
+    mean and std and gets 0, as TRL's nanmean, nanstd and nan_to_num do; so does every row of a
+    group with fewer than two scored rewards. [1, NaN, NaN, 0] -> [0.707, 0, 0, -0.707].
     Returns (N,) float32 (float64 for float64 rewards).
 
     Example, one group of G = 4, rewards [1, 0, 0, 0] (mean 0.25, unbiased std 0.5):
@@ -47,23 +52,25 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
     (The batch is this one group, so "batch" is "group"; leave-one-out is "mean" times G / (G - 1).)
     """
     groups = _groups(rewards, group_size)  # (P, G)
+    if baseline not in ("mean", "leave-one-out") or scale not in ("group", "batch", "none"):
+        raise ValueError(f"baseline must be 'mean' or 'leave-one-out' and scale 'group', 'batch' "
+                         f"or 'none', got {baseline!r}, {scale!r}")
+    if groups.isnan().any():  # TRL's unscored completions
+        adv = scored_only(groups, baseline, scale, std_floor, zero_std_groups, batch_sum)
+        return (adv.clamp(-clip, clip) if clip > 0 else adv).reshape(-1)
     mean = groups.mean(dim=1, keepdim=True)  # (P, 1)
     # Unbiased (Bessel, divide by G-1) std, as TRL and verl use; the paper does not say which.
     std = groups.std(dim=1, keepdim=True)  # (P, 1)
     if baseline == "mean":
         adv = groups - mean  # (P, G)
-    elif baseline == "leave-one-out":  # RLOO: no completion is its own baseline: unbiased
+    else:  # leave-one-out (RLOO): no completion is its own baseline: unbiased
         adv = groups - (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    else:
-        raise ValueError(f"baseline must be 'mean' or 'leave-one-out', got {baseline!r}")
     if scale == "group":
         # A2: a floor rather than "+ eps", so a std of 1e-6 cannot blow a 1e-6 reward gap up to 1.
         adv = adv / std.clamp(min=std_floor)
     elif scale == "batch":
         # the std of the rewards, not of the centred r - b (those are smaller with a group baseline)
         adv = adv / batch_std(groups, batch_sum).clamp(min=std_floor)
-    elif scale != "none":
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     # A group whose rewards are all equal carries no signal: exactly 0. The formula alone gives ~0
     # in float32: mean(eight rewards of 1.05) is one ulp off 1.05, so r - mean is ~1e-7 and the
     # 1e-4 floor turns it into 1.2e-3 (TRL, which adds 1e-4 to the std, gives the same).
@@ -76,6 +83,31 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
     if clip > 0:
         adv = adv.clamp(-clip, clip)  # A3: after normalising, so the bound is in std units
     return adv.reshape(-1)
+
+
+def scored_only(groups, baseline, scale, std_floor, zero_std_groups, batch_sum):
+    """group_advantages' (P, G) advantages over each group's scored (non-NaN) rewards only."""
+    scored = ~groups.isnan()  # (P, G)
+    count = scored.sum(dim=1, keepdim=True)  # (P, 1)
+    r = torch.where(scored, groups, 0.0)
+    total = r.sum(dim=1, keepdim=True)
+    mean = total / count.clamp(min=1)
+    if baseline == "mean":
+        adv = r - mean
+    else:  # leave-one-out over the other scored rewards
+        adv = r - (total - r) / (count - 1).clamp(min=1)
+    centred = torch.where(scored, r - mean, 0.0)
+    std = (centred.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    if scale == "group":
+        adv = adv / std.clamp(min=std_floor)
+    elif scale == "batch":
+        adv = adv / batch_std(groups[scored], batch_sum).clamp(min=std_floor)
+    lowest = torch.where(scored, groups, math.inf).amin(dim=1, keepdim=True)
+    highest = torch.where(scored, groups, -math.inf).amax(dim=1, keepdim=True)
+    keep = scored & (count > 1) & (highest > lowest)  # a signal, on a scored row
+    if zero_std_groups:
+        keep = keep & (std >= std_floor)
+    return torch.where(keep, adv, torch.zeros_like(adv))
 
 
 def batch_std(x, batch_sum=None):
@@ -100,12 +132,18 @@ def group_stats(rewards, group_size, correct=None):
     Example, G = 2, rewards [1, 0, 1, 1]: effective 0.5, zero-std 0.5, pass_rate [0.5, 1.0].
     """
     groups = _groups(rewards, group_size)  # (P, G)
+    scored = ~groups.isnan()  # NaN: a completion TRL's reward functions left out, as TRL skips it
+    count = scored.sum(dim=1)
     std = groups.std(dim=1)  # (P,) unbiased, as in group_advantages
-    effective = (groups.amax(dim=1) > groups.amin(dim=1)).float().mean().item()
+    if not scored.all():
+        centred = torch.where(scored, groups - groups.nansum(1, keepdim=True) / count[:, None], 0)
+        std = (centred.pow(2).sum(dim=1) / (count - 1)).sqrt()
+    highest = torch.where(scored, groups, -math.inf).amax(dim=1)
+    effective = (highest > torch.where(scored, groups, math.inf).amin(dim=1)).float().mean().item()
     hits = _groups(rewards if correct is None else correct, group_size)
     return {
         "effective_group_ratio": effective,
         "frac_reward_zero_std": 1.0 - effective,
-        "group_std": std.mean().item(),
+        "group_std": std[count > 1].mean().item(),
         "pass_rate": hits.mean(dim=1),
     }

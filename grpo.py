@@ -218,8 +218,10 @@ def generate_and_score(engine, train, idx, seeds, cfg, temperature):
 
 
 def informative_groups(rewards, G):
-    """Indices of groups whose rewards are not all equal (R7: the others have zero advantage)."""
-    return [g for g, row in enumerate(rewards.view(-1, G)) if row.max() > row.min()]
+    """Indices of groups whose rewards are not all equal (R7: the others have zero advantage); a
+    NaN (unscored) reward is left out, as group_advantages leaves it."""
+    rows = [row[~row.isnan()] for row in rewards.view(-1, G)]
+    return [g for g, row in enumerate(rows) if len(row) > 1 and row.max() > row.min()]
 
 
 def zero_gradient_rows(batch, cfg):
@@ -655,7 +657,7 @@ def evaluate(engine, test, cfg, seed, sampled=True):
     lengths = [len(g[0].completion_ids) for g in greedy]
     rewards, comps = score(test.task, texts, test.problems, lengths, cfg,
                            [g[0].completion_ids for g in greedy])
-    out = {"reward": rewards.mean().item()}
+    out = {"reward": log.scored(rewards).mean().item()}
     if "correct" in comps:
         out["pass@1_greedy"] = (comps["correct"] >= 1).float().mean().item()
     # every rank generates the same calls whatever the rewards say (FSDP's HF engine: lockstep)

@@ -167,6 +167,11 @@ class Logger:
 # ---------------------------------------------------------------- metrics (M1), parity (R2)
 
 
+def scored(rewards):
+    """The rewards but the NaN of completions no TRL reward function scored."""
+    return rewards[~rewards.isnan()]
+
+
 def mean_of(components, name):
     """The mean of a reward component, or None when the task does not report it."""
     return components[name].mean().item() if name in components else None
@@ -177,8 +182,9 @@ def rollout_metrics(step, drawn, stats, batch, rounds, beta, temperature, cfg):
     comps = drawn.components
     out = {
         "step": step,
-        "reward": drawn.rewards.mean().item(),
-        "reward_std": drawn.rewards.std().item(),
+        # over the scored completions: TRL's unscored (NaN) ones are left out, as TRL logs them
+        "reward": scored(drawn.rewards).mean().item(),
+        "reward_std": scored(drawn.rewards).std().item(),
         **{f"reward/{k}": v.mean().item() for k, v in comps.items()
            if k not in ("errors", "timeouts")},
         "reward/errors": int(comps["errors"].sum()),  # completions whose reward raised or hung
@@ -203,7 +209,7 @@ def rollout_metrics(step, drawn, stats, batch, rounds, beta, temperature, cfg):
         out["kept/prompts"] = len(kept) // cfg.group_size
         # the share of the groups drawn that the update left out (no refill: the batch shrinks)
         out["dropped_groups"] = 1 - len(kept) / len(drawn)
-        out["kept/reward"] = kept.rewards.mean().item() if len(kept) else None
+        out["kept/reward"] = scored(kept.rewards).mean().item() if len(kept) else None
         out["kept/acc"] = mean_of(kept.components, "correct") if len(kept) else None
         out["drawn/prompts"] = len(drawn) // cfg.group_size
     out["beta"] = beta

@@ -562,12 +562,15 @@ def score_batch(results, lengths, weights=None, **shaping):
 
     results: per completion its components dict, or a string saying why the reward failed ("error",
     "timeout", ...; task.run_rewards). A failed completion scores exactly 0 (no shaping, no penalty)
-    and is counted in components["errors"] (timeouts also in components["timeouts"]). A component
-    some completions lack is 0 for them. lengths: N completion lengths in tokens; weights, shaping:
-    shape_reward's.
+    and is counted in components["errors"] (timeouts also in components["timeouts"]). A completion
+    every TRL reward function left out ("unscored") has reward NaN: group_advantages leaves it out
+    of its group's baseline and gives it advantage 0, the logged means leave it out, as TRL does.
+    A component some completions lack is 0 for them. lengths: N completion lengths in tokens;
+    weights, shaping: shape_reward's.
     """
     failed = [isinstance(c, str) for c in results]
-    rewards = [0.0 if f else shape_reward(c, n, weights=weights, **shaping)
+    rewards = [0.0 if f else math.nan if c.get("unscored") else
+               shape_reward(c, n, weights=weights, **shaping)
                for c, f, n in zip(results, failed, lengths)]
     names = sorted({k for c, f in zip(results, failed) if not f for k in c})
     per_component = {k: torch.tensor([0.0 if f else c.get(k, 0.0) for c, f in zip(results, failed)])

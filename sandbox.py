@@ -4,11 +4,14 @@ Standard library only, nothing from the project: any interpreter can import this
 the best of three tiers the machine gives; `ALLOWED` (set once from the `sandbox` setting, before
 the reward workers fork) is the weakest it may use. Below it a call fails: no code runs unsandboxed.
 
-    full        network, PID and mount namespaces; a uid of its own (as root); a file view holding
-                only /usr (/bin, /lib...) and Python's installation with every *-packages folder
-                hidden, /dev/null, /dev/zero, /dev/urandom, its own /proc and a private /tmp:
-                no /etc, /home, project or data
-    namespaces  the namespaces, a uid of its own, a private /tmp; every world-readable file readable
+    full        network, PID, mount, IPC (SysV shared memory, semaphores) and UTS namespaces; a
+                uid of its own (as root); a file view holding only /usr (/bin, /lib...) and
+                Python's installation with every *-packages folder hidden, /dev/null, /dev/zero,
+                /dev/urandom, its own /proc and a private /tmp: no /etc, /home, project or data
+    namespaces  the namespaces, a uid of its own, private /tmp, /var/tmp, /dev/shm and /run/lock;
+                every world-readable file readable, and a unix socket in a host folder (a daemon's,
+                if its permissions let others in) reachable: the network namespace does not cover
+                sockets that are files
     none        a plain child process: the network and every file this user can read
 
 Every tier: the base interpreter by its real path with -I (the code needs just the stdlib),
@@ -41,7 +44,8 @@ import time
 
 TIERS = ("none", "namespaces", "full")  # weakest first
 GIVES = {"full": "no network, no file but the OS and Python's standard library",
-         "namespaces": "no network, but the code reads every world-readable file (project, data)",
+         "namespaces": "no network, but the code reads every world-readable file (project, data) "
+                       "and can connect to a unix socket it may open in a host folder",
          "none": "no isolation: the code runs as this user, with the network and every file"}
 ALLOWED = "full"  # the weakest tier a call may use; a process that never sets it gets the strictest
 ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}  # no secret of our environment
@@ -49,6 +53,7 @@ MAX_RESULT_BYTES = 1 << 20  # run_tests reads at most this much of the harness's
 UID_BASE = 1 << 30  # as root, a sandbox's own uid: UID_BASE + caller's pid * 64 + a count % 64
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 DEVICES = ("null", "zero", "urandom")
+WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/crash")
 _COUNT = itertools.count()
 _BEST = None  # (tier, why the stronger ones failed), probed once per process: best()
 _CGROUPS = None  # {controller: (cgroup version, our cgroup's folder)}: _cgroup_bases()
@@ -108,16 +113,19 @@ def _package_dirs(trees):
 
 
 @functools.cache
-def _file_view():
+def _file_view(shown=()):
     """Shell lines that build the sandbox's filesystem on a fresh tmpfs and pivot_root into it.
 
-    The tmpfs goes on a folder that neither holds nor lies in a bound tree (a venv, even Python, may
+    shown: more host paths (folders or files, real paths) in view, read-only: a library scorer's
+    installed packages and the source files of the modules its task imports (Scorer), no data.
+    The tmpfs goes on a folder that neither holds nor lies in a bound path (a venv, even Python, may
     live under /tmp), and the private /tmp is mounted before the binds: nothing bound is hidden.
     """
     q, trees = shlex.quote, _trees()
+    extra = [p for p in shown if not any(_under(p, t) for t in trees)]  # not bound with a tree
     stages = [d for d in ("/tmp", "/mnt", "/media", "/srv", "/opt", "/var/tmp", "/run", "/dev/shm")
               if os.path.isdir(d) and os.path.realpath(d) == d
-              and not any(_under(t, d) or _under(d, t) for t in trees)]
+              and not any(_under(t, d) or _under(d, t) for t in [*trees, *extra])]
     if not stages:
         raise SandboxError(f"no folder to build the file view in, apart from {trees}")
     stage = q(stages[0])
@@ -127,29 +135,37 @@ def _file_view():
     lines += [f"mkdir -p {q('.' + t)} && mount --rbind -o ro {q(t)} {q('.' + t)}" for t in trees]
     # a merged-/usr system: /lib -> usr/lib
     lines += [f"ln -s {q(os.readlink(d))} .{d}" for d in SYSTEM if os.path.islink(d)]
-    # installed packages: hidden (the harness needs the standard library only)
-    lines += [f"mount -t tmpfs -o ro,size=1m tmpfs {q('.' + p)}" for p in _package_dirs(trees)]
+    for p in extra:  # a folder as a tree is; a file on an empty file of its own
+        make = f"mkdir -p {q('.' + p)}" if os.path.isdir(p) else \
+            f"mkdir -p {q('.' + os.path.dirname(p))} && touch {q('.' + p)}"
+        lines.append(f"{make} && mount --rbind -o ro {q(p)} {q('.' + p)}")
+    # installed packages: hidden (the harnesses need the standard library only), unless shown
+    hidden = [p for p in _package_dirs(trees) if p not in shown]
+    lines += [f"mount -t tmpfs -o ro,size=1m tmpfs {q('.' + p)}" for p in hidden]
     lines += [f"touch dev/{d} && mount --bind /dev/{d} dev/{d}" for d in DEVICES]
     # the old root is detached once /proc (which umount reads) is the sandbox's own
     return "; ".join([*lines, "pivot_root . old", "mount -t proc proc /proc", "umount -l /old",
                       "rmdir /old"])
 
 
-def _command(tier, uid):
-    """The argv prefix that runs a program in `tier`, as `uid` when we are root."""
+def _command(tier, uid, shown=()):
+    """The argv prefix that runs a program in `tier`, as `uid` when we are root; shown: host paths
+    the full tier's file view adds (_file_view)."""
     if tier == "none":
         return []
     root, drop = os.geteuid() == 0, "exec"  # not root: in a user namespace, whose root is this user
     if root:  # the kernel clears a parent-death signal on a uid change: setpriv sets it again after
         setpriv = shutil.which("setpriv")
         drop += f" {setpriv} --reuid={uid} --regid={uid} --clear-groups --pdeathsig=KILL"
-    private = [d for d in ("/tmp", "/var/tmp", "/dev/shm")
-               if not any(_under(t, d) for t in _trees())]
+    # the world-writable folders of a host: private, so nothing is left there or read from there
+    private = [d for d in WRITABLE if os.path.isdir(d) and os.path.realpath(d) == d
+               and not any(_under(t, d) for t in _trees())]
     mounts = "; ".join(f"mount -t tmpfs -o size=64m tmpfs {d}" for d in private)
-    setup = _file_view() if tier == "full" else mounts
+    setup = _file_view(shown) if tier == "full" else mounts
     # --kill-child + --pid: when the sandbox's first process dies, the kernel kills all it forked
+    # --ipc, --uts: SysV shared memory, semaphores and queues, and the host name, of its own
     unshare = [shutil.which("unshare"), *([] if root else ["--map-root-user"]), "--net", "--pid",
-               "--fork", "--kill-child", "--mount-proc"]
+               "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc"]
     return [*unshare, shutil.which("sh"), "-c", f'{setup}; cd /tmp && {drop} "$@"', "sandbox"]
 
 
@@ -270,15 +286,18 @@ def _remove_cgroup(folder):
 # ---------------------------------------------------------------- running code
 
 
-def _start(harness, stderr, timeout, memory_mb):
-    """Start `harness` in the best tier: (process, its cgroups, the limits it sets on itself)."""
+def _start(harness, stderr, timeout, memory_mb, shown=()):
+    """Start `harness` in the best tier: (process, its cgroups, the limits it sets on itself).
+    timeout None: no CPU-seconds limit (a server, whose calls set their own)."""
     tier, why = best()
     if TIERS.index(tier) < TIERS.index(ALLOWED):
         raise SandboxError(f"the {ALLOWED} sandbox cannot be built here ({why}); set "
                            f"sandbox={tier} to accept {GIVES[tier]}")
     procs = 64 if "memory" in _cgroup_bases() else 8  # else RLIMIT_AS x procs bounds the memory
     limits = {"RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": 1 << 20, "RLIMIT_NPROC": procs,
-              "RLIMIT_CORE": 0, "RLIMIT_CPU": math.ceil(timeout) + 1}
+              "RLIMIT_CORE": 0}
+    if timeout is not None:
+        limits["RLIMIT_CPU"] = math.ceil(timeout) + 1
     cgroups, parent = [], os.getpid()
 
     def enter():  # in the child before exec: all the sandbox starts is in its cgroups
@@ -289,7 +308,7 @@ def _start(harness, stderr, timeout, memory_mb):
     uid = UID_BASE + parent * 64 + next(_COUNT) % 64
     try:
         cgroups += _make_cgroups(memory_mb, procs)
-        proc = subprocess.Popen([*_command(tier, uid), _interpreter(), "-I", "-c", harness],
+        proc = subprocess.Popen([*_command(tier, uid, shown), _interpreter(), "-I", "-c", harness],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                 env=ENV, cwd="/tmp", start_new_session=True, preexec_fn=enter)
     except (OSError, subprocess.SubprocessError) as e:
@@ -690,3 +709,194 @@ def run_python(code, timeout=5.0, memory_mb=256, max_output=1000):
     if how == "timed out":
         text += f"\n[timed out after {timeout:g} s]"
     return text, how == "done" and proc.returncode == 0
+
+
+# ---------------------------------------------------------------- a task's scorer that runs text
+
+# Runs in each call's child of a Scorer: what Python may be compiled from text while a call runs.
+# A library scorer may eval() an answer or hand it to sympy's parse_expr (which evals its own
+# translation of it): the text may be literals, arithmetic, comparisons and calls of sympy's
+# functions by name, no more. No attribute, subscript, lambda or comprehension, and no name but
+# sympy's (and in parse_expr the sympy symbols the scorer gave it): so no __import__, no
+# globals(), and none of the scorer's own names (the gold answer).
+# A module's source compiled on import, and sympy's own `from sympy import *`, pass. Processes,
+# sockets and ctypes are refused too, in case something runs after all (the sandbox holds anyway).
+GUARD = r"""
+import ast, os, sys
+ALLOWED = (ast.Module, ast.Expression, ast.Expr, ast.Constant, ast.Name, ast.Load, ast.Call,
+           ast.keyword, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.Tuple, ast.List,
+           ast.Set, ast.Dict, ast.operator, ast.unaryop, ast.cmpop, ast.boolop)
+REFUSED = ("subprocess.", "socket.", "ctypes.", "os.system", "os.exec", "os.posix_spawn",
+           "os.spawn", "os.fork", "os.kill", "os.killpg", "pty.", "os.putenv", "os.chmod")
+# sympy's parse_expr evaluates in the namespaces the scorer gave it, not in the scorer's frame:
+# there a name may also be one of those, bound to a sympy object (a Symbol of the task's)
+def given(caller):
+    if caller.f_code.co_name != "eval_expr" or "sympy" not in caller.f_code.co_filename:
+        return set()
+    import sympy
+    spaces = [caller.f_locals.get("local_dict") or {}, caller.f_locals.get("global_dict") or {}]
+    return {k for space in spaces for k, v in space.items()
+            if isinstance(v, sympy.Basic) or isinstance(v, type) and issubclass(v, sympy.Basic)}
+def harmless(tree, names):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id not in names: return False
+        if isinstance(node, ast.Call) and not isinstance(node.func, ast.Name): return False
+        if not isinstance(node, ALLOWED): return False
+    return True
+checking = []  # ast.parse compiles too: its own event passes
+def guard(event, args):
+    if event == "compile" and not checking:
+        source, filename = args[0], args[1]
+        if isinstance(filename, str) and filename.endswith(".py") and os.path.isfile(filename):
+            return  # a module's own source, compiled on its import
+        if isinstance(source, bytes): source = source.decode("utf-8", "replace")
+        if isinstance(source, str) and source.strip() == "from sympy import *": return
+        checking.append(1)
+        try:
+            tree = source if isinstance(source, ast.AST) else ast.parse(source)
+        except BaseException:
+            tree = None
+        finally:
+            checking.clear()
+        if tree is None or not harmless(tree, NAMES | given(sys._getframe(1))):
+            raise RuntimeError("refused: text compiled while scoring may only be literals, "
+                               "arithmetic and sympy's functions")
+    elif event.startswith(REFUSED):
+        raise RuntimeError(f"refused while scoring: {event}")
+"""
+
+# The long-lived process of a Scorer: it imports the task file once (with the installed packages in
+# view), then runs each call in a child it forks, under GUARD, with the call's deadline: no call
+# can change what the next one sees (each child dies), and a hang or a crash costs one call.
+SCORER = GUARD + r"""
+import importlib.util, json, resource, select, signal, time
+inp, out = os.fdopen(os.dup(0)), os.fdopen(os.dup(1), "w")
+job = json.loads(inp.readline())
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0); os.dup2(null, 1); os.dup2(null, 2)
+for name, limit in job["limits"].items():
+    resource.setrlimit(getattr(resource, name), (limit, limit))
+sys.path[:] = job["sys_path"]
+spec = importlib.util.spec_from_file_location(job["module"], job["file"])
+module = importlib.util.module_from_spec(spec)
+sys.modules[job["module"]] = module
+spec.loader.exec_module(module)
+if job["config"] is not None and hasattr(module, "configure"):
+    import config
+    cfg = config.Config()
+    for key, value in job["config"].items():
+        setattr(cfg, key, tuple(value) if isinstance(value, list) else value)
+    module.configure(config.derive(cfg))
+function = getattr(module, job["function"])
+try:
+    import sympy
+    NAMES = {n for n in dir(sympy) if not n.startswith("_") and callable(getattr(sympy, n))}
+    NAMES |= {n for n in ("pi", "E", "I", "oo", "zoo", "nan") if hasattr(sympy, n)}
+except ImportError:
+    NAMES = set()
+NAMES = (NAMES | {"True", "False", "None"}) - set(job["refused_names"])
+def call(args, kwargs, seconds):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.closerange(3, write); os.closerange(write + 1, 1 << 16)
+            resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds))
+            sys.addaudithook(guard)
+            try:
+                reply = {"value": function(*args, **kwargs)}
+            except BaseException as e:
+                reply = {"error": f"{type(e).__name__}: {e}"[:500]}
+            text = json.dumps(reply)
+        except BaseException:
+            text = json.dumps({"error": "its value is not JSON"})
+        os.write(write, text.encode()); os._exit(0)
+    os.close(write)
+    got, deadline = b"", time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(got) > 1 << 20 or not select.select([read], [], [], left)[0]: break
+        chunk = os.read(read, 1 << 16)
+        if not chunk: break
+        got += chunk
+    os.close(read)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    try:
+        return json.loads(got)
+    except ValueError:
+        return {"error": f"no result within {seconds} s" if time.monotonic() >= deadline else
+                "its process died"}
+for line in inp:
+    request = json.loads(line)
+    reply = call(request["args"], request["kwargs"], request["seconds"])
+    out.write(json.dumps(reply) + "\n"); out.flush()
+"""
+# sympy's names that reach the system or turn more text into code: never in text a scorer compiles
+REFUSED_NAMES = ("sympify", "S", "parse_expr", "lambdify", "preview", "plot", "plot_implicit",
+                 "plot_parametric", "plot3d", "plot3d_parametric_line", "plot3d_parametric_surface",
+                 "init_printing", "init_session", "var", "test", "doctest", "source",
+                 "interactive_traversal", "python", "pycode", "print_python", "evaluate")
+KEPT = set()  # pids of Scorer processes: they outlive a reward call (task._end_leftovers spares)
+
+
+class Scorer:
+    """A function of a task file that may execute the answer's text (a library's scorer; the task
+    declares EXECUTES_TEXT), called as it would be, but run in the sandbox: a process there imports
+    the file once, with the installed packages and the source files of the modules loaded here in
+    view (no data, no other file of the project), and runs each call in a child of its own under
+    GUARD, within `timeout` seconds. Arguments and the value go across as JSON. Started on the first
+    call in each process (a reward worker forks before it), ended with that process."""
+
+    def __init__(self, path, module, function, timeout, config=None, memory_mb=4096):
+        self.path, self.module, self.function = os.path.realpath(path), module, function
+        self.timeout, self.config, self.memory_mb = timeout, config, memory_mb
+        self.proc = self.owner = None
+
+    def _shown(self):
+        """The host paths the sandbox needs: every *-packages folder on sys.path, and the source
+        file of every module loaded here from outside them (the project's, the task file's)."""
+        packages = {os.path.realpath(p) for p in sys.path if p.endswith("-packages")}
+        files = {os.path.realpath(m.__file__) for m in list(sys.modules.values())
+                 if getattr(m, "__file__", None) and m.__file__.endswith(".py")}
+        files = {f for f in files if not any(_under(f, p) for p in packages)}
+        return tuple(sorted(p for p in {*packages, *files, self.path} if os.path.exists(p)))
+
+    def _start(self):
+        if self.proc is not None and self.owner == os.getpid() and self.proc.poll() is None:
+            return
+        self.proc, cgroups, limits = _start(SCORER, subprocess.DEVNULL, None, self.memory_mb,
+                                            self._shown())
+        self.owner, self.cgroups = os.getpid(), cgroups
+        KEPT.add(self.proc.pid)
+        root = os.path.dirname(os.path.abspath(__file__))  # the project's modules, as imported here
+        sys_path = [os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)]
+        job = {"file": self.path, "module": self.module, "function": self.function,
+               "limits": limits, "sys_path": [root, *sys_path],
+               "config": self.config, "refused_names": REFUSED_NAMES}
+        if not _send(self.proc, job, time.monotonic() + 30):
+            self.close()
+            raise SandboxError("the scorer's sandbox did not start")
+
+    def __call__(self, *args, **kwargs):
+        self._start()
+        seconds = max(1, math.ceil(self.timeout))
+        # its first call also waits for the task file's import (reasoning-gym: ~2 s)
+        deadline = time.monotonic() + seconds + 60
+        request = {"args": list(args), "kwargs": kwargs, "seconds": seconds}
+        if not _send(self.proc, request, deadline):
+            self.close()
+            raise RuntimeError("the scorer's sandbox is gone")
+        reply = _Line(self.proc, deadline)()
+        if not isinstance(reply, dict) or "value" not in reply:
+            if reply is None:
+                self.close()  # a dead or stuck server: the next call starts a fresh one
+            raise RuntimeError(f"in the sandbox: {(reply or {}).get('error', 'no reply')}")
+        return reply["value"]
+
+    def close(self):
+        if self.proc is not None and self.owner == os.getpid():
+            KEPT.discard(self.proc.pid)
+            _end(self.proc, self.cgroups)
+        self.proc = None

@@ -30,6 +30,12 @@ and may define:
     RUNS_CODE = True                the reward runs the model's code (sandbox.py): the run starts
                                     only where the sandbox that `sandbox` accepts can be had; or a
                                     function of a problem, if only some do (as tools=True always)
+    EXECUTES_TEXT = True            the reward hands the completion's text to code that may run it
+                                    as Python (a library's scorer that eval()s an answer, sympy's
+                                    parse_expr): the reward then runs in the sandbox, a child
+                                    process a call, where text compiled during the call may only be
+                                    literals, arithmetic and sympy's functions (sandbox.Scorer);
+                                    `python task.py --audit` tells when a task needs it
     STOP = ["</answer>"]            strings that end a completion (kept in it) in training and eval
                                     alike: a base model stops at its answer, not max_completion_len
     answer(completion, problem)     the completion's final answer as a normalised string, or None:
@@ -45,9 +51,11 @@ Instead of reward(), a task file may give TRL's reward functions, which then wor
                                 at >= 1); default: the one named accuracy_reward, as TRL's own
                                 (trl.rewards.accuracy_reward); "" = none
 
-The reward is then TRL's: the weighted sum of the functions' scores, a None left out (TRL's nansum);
-each function is logged as reward/<its name>, and a completion every function gives None scores 0
-and is counted in reward/unscored. correct_weight does not apply (the functions' weights do).
+The reward is then TRL's: the weighted sum of the functions' scores (a list, numpy array or tensor),
+a None, NaN or inf left out (TRL's nansum); each function is logged as reward/<its name>. A
+completion every function leaves out is left out of its group's baseline with advantage 0, and of
+the logged reward, as TRL's nanmean does, and counted in reward/unscored (tested against TRL's own
+GRPOTrainer). correct_weight does not apply (the functions' weights do).
 
 The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or
 hangs scores 0 for that completion and is counted in reward/errors; the run goes on. Module state
@@ -58,6 +66,7 @@ helper process may live across batches).
 """
 
 import asyncio
+import dataclasses
 import decimal
 import functools
 import importlib.util
@@ -66,12 +75,12 @@ import json
 import math
 import multiprocessing
 import multiprocessing.connection
-import numbers
 import os
 import random
 import re
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -97,6 +106,7 @@ class Task:
     columns: dict = field(default_factory=dict)
     check: object = None
     runs_code: object = False  # RUNS_CODE: True, False, or a function of a problem
+    executes_text: bool = False  # EXECUTES_TEXT: the reward runs in the sandbox (sandbox.Scorer)
     reference: object = None  # reference(problem) -> a completion that earns full reward
     # TRL-style reward functions instead of reward(); their names are their components
     reward_funcs: list = field(default_factory=list)
@@ -104,6 +114,12 @@ class Task:
     correct: str = ""  # CORRECT: the function whose score is also the component "correct"
     stop: list = field(default_factory=list)  # STOP: strings that end a completion, kept in it
     answer: object = None  # answer(completion, problem): the final answer maj@n votes on, or None
+
+    def close(self):
+        """End the sandboxed processes of EXECUTES_TEXT's rewards (they die with this one anyway)."""
+        for f in [self.reward, *self.reward_funcs]:
+            if isinstance(f, sandbox.Scorer):
+                f.close()
 
 
 def builtin_tasks():
@@ -171,6 +187,9 @@ def load_task(cfg):
                           "problem")
     if extras["reference"] is not None and not callable(extras["reference"]):
         raise ConfigError(f"task file {path}: reference must be a function reference(problem)")
+    extras["executes_text"] = getattr(module, "EXECUTES_TEXT", False)
+    if not isinstance(extras["executes_text"], bool):
+        raise ConfigError(f"task file {path}: EXECUTES_TEXT must be True or False")
     extras["stop"] = stop_strings(path, getattr(module, "STOP", []))
     extras["answer"] = getattr(module, "answer", None)
     answer = extras["answer"]
@@ -179,8 +198,27 @@ def load_task(cfg):
                           "problem) returning the final answer as a string, or None")
     if trl:
         extras.update(reward_funcs_extras(module, path, cfg))
-    return Task(path, None if data_path else module.problems, module.prompt,
-                getattr(module, "reward", None), **extras)
+    reward = getattr(module, "reward", None)
+    if extras["executes_text"]:  # each reward function called in the sandbox, by its name
+        reward, extras = sandboxed_rewards(module, path, cfg, reward, extras)
+    return Task(path, None if data_path else module.problems, module.prompt, reward, **extras)
+
+
+def sandboxed_rewards(module, path, cfg, reward, extras):
+    """EXECUTES_TEXT: reward() (or each of reward_funcs) as a sandbox.Scorer of the same name."""
+    seconds = cfg.reward_timeout or Config.reward_timeout
+    settings = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+    def scorer(f):
+        name = callable_name(f)
+        if getattr(module, name, None) is not f:
+            raise ConfigError(f"task file {path}: EXECUTES_TEXT runs each reward function in the "
+                              f"sandbox by its name; {name} is not a function defined in the file")
+        return sandbox.Scorer(path, module.__name__, name, seconds, settings)
+
+    if extras.get("reward_funcs"):
+        extras = {**extras, "reward_funcs": [scorer(f) for f in extras["reward_funcs"]]}
+    return (scorer(reward) if reward is not None else None), extras
 
 
 # the components score() adds or the shaping reads by name: no reward function may take them
@@ -240,14 +278,17 @@ def stop_strings(path, stop):
 
 
 def check_sandbox(cfg, task, problems):
-    """Pre-flight: where the model's code runs (tools=True, or RUNS_CODE for any of `problems`),
-    the sandbox cfg.sandbox accepts must be had here, or the run stops, saying what is missing.
-    Sets that tier for every later call, in this process and the reward workers it forks."""
+    """Pre-flight: where the model's code runs (tools=True, RUNS_CODE for any of `problems`, or
+    EXECUTES_TEXT), the sandbox cfg.sandbox accepts must be had here, or the run stops, saying what
+    is missing. Sets that tier for every later call, in this process and the reward workers it
+    forks."""
     sandbox.ALLOWED = cfg.sandbox
     runs = task.runs_code if callable(task.runs_code) else lambda problem: task.runs_code
-    if not cfg.tools and not any(runs(p) for p in problems):
+    if not cfg.tools and not task.executes_text and not any(runs(p) for p in problems):
         return
-    who = "tools=True runs the model's code" if cfg.tools else f"{task.where} runs the model's code"
+    who = ("tools=True runs the model's code" if cfg.tools else
+           f"{task.where} runs the model's code" if not task.executes_text else
+           f"{task.where}'s reward may run the model's text as code (EXECUTES_TEXT)")
     tier, why = sandbox.best()
     if sandbox.TIERS.index(tier) < sandbox.TIERS.index(cfg.sandbox):
         raise ConfigError(f"{who}, but the {cfg.sandbox} sandbox cannot be built here: {why}. "
@@ -442,16 +483,17 @@ def _live_children():
     return children
 
 
-def end_tree(root, with_root=False):
-    """SIGKILL every live process below `root` (and root itself if with_root). Each is stopped
-    first, so none can fork or die (and so leave the tree) while the tree is read."""
+def end_tree(root, with_root=False, spare=()):
+    """SIGKILL every live process below `root` (and root itself if with_root), but the subtrees of
+    `spare`. Each is stopped first, so none can fork or die (and so leave the tree) while the tree
+    is read."""
     stopped = {root} if with_root else set()
     try:
         _signal(stopped, signal.SIGSTOP)
         while True:
             children, todo, below = _live_children(), [root], set()
             while todo:
-                kids = children.get(todo.pop(), [])
+                kids = [k for k in children.get(todo.pop(), []) if k not in spare]
                 below.update(kids)
                 todo += kids
             if not below - stopped:
@@ -471,17 +513,22 @@ def _signal(pids, sig):
 
 
 def _end_leftovers():
-    """After a reward call in a worker (a child subreaper): kill and reap all the reward left."""
+    """After a reward call in a worker (a child subreaper): kill and reap all the reward left, but a
+    Scorer's sandbox, which serves the worker's next call (sandbox.KEPT)."""
     deadline, ended = time.monotonic() + 5, False
     while time.monotonic() < deadline:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return  # no child, so nothing below: an orphan would have become this process's child
-        if pid == 0 and not ended:
-            end_tree(os.getpid())
+        if pid:
+            continue  # reaped one
+        if not set(_live_children().get(os.getpid(), [])) - sandbox.KEPT:
+            return  # the Scorers alone remain
+        if not ended:
+            end_tree(os.getpid(), spare=sandbox.KEPT)
             ended = True
-        elif pid == 0:
+        else:
             time.sleep(0.001)
 
 
@@ -633,29 +680,47 @@ def call_reward_funcs(task, texts, problems, ids):
 
 
 def reward_rows(task, called):
-    """(n, {name: n floats or None}) -> n components dicts: a None left out (TRL's nansum leaves it
-    out of the sum), "correct" = the CORRECT function's score, "unscored" 1.0 where all are None."""
+    """(n, {name: n scores}) -> n components dicts, as TRL treats the scores: a list, tuple, numpy
+    array or tensor of n numbers (numpy and torch scalars too) or None; a None, NaN or inf is left
+    out (TRL turns None into NaN and its nansum leaves NaN out: one NaN does not fail the batch).
+    "correct" = the CORRECT function's score; "unscored" 1.0 where every function left the
+    completion out: score_batch gives it reward NaN, so its group's baseline leaves it out and its
+    advantage is 0 (group_advantages), as in TRL."""
     n, values = called
     rows = [{} for _ in range(n)]
     for name, scores in values.items():
-        if not isinstance(scores, (list, tuple)) or len(scores) != n:
+        if isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__len__") \
+                or len(scores) != n:
             raise TypeError(f"wrong type: reward function {name} returned {scores!r:.80}; "
                             f"expected a list of {n} floats (or None), one per completion")
         for row, value in zip(rows, scores):
-            if value is None:
-                continue
-            try:
-                row[name] = float(value) if isinstance(value, numbers.Real) else math.nan
-            except OverflowError:  # an int past float's range
-                row[name] = math.nan
-            if not math.isfinite(row[name]):
+            score = as_score(value)
+            if score is False:
                 raise TypeError(f"wrong type: reward function {name} returned {value!r:.80}; "
-                                "expected a finite float or None")
+                                "expected a float or None")
+            if score is not None:
+                row[name] = score
     for row in rows:
         row["unscored"] = float(not row)
         if task.correct in row:
             row["correct"] = row[task.correct]
     return rows
+
+
+def as_score(value):
+    """A reward function's score as a float; None for None, NaN or inf (left out, as TRL's nansum
+    leaves them); False for what is no number (a string, a list, a tensor of several values)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        return False
+    try:
+        score = float(value)  # a numpy or torch scalar, a 1-element tensor
+    except OverflowError:  # an int past float's range
+        return None
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return score if math.isfinite(score) else None
 
 
 # ---------------------------------------------------------------- scoring
@@ -664,6 +729,8 @@ def reward_rows(task, called):
 def task_rewards(task, texts, problems, timeout, workers=1, completion_ids=None, quiet=False,
                  failed=None):
     """The task's components for each completion (or why it failed): reward() or reward_funcs."""
+    if task.executes_text:  # each call in a sandboxed process of its own, under its deadline
+        timeout, workers = 0, 1
     if task.reward_funcs:
         return run_reward_funcs(task, texts, problems, timeout, workers, completion_ids, quiet,
                                 failed)
@@ -727,12 +794,18 @@ def replay(path, config_path=None):
         if "label" in rec:
             checks["label"] = (rec["label"], fresh.get("correct"))
         for key, (stored, now) in checks.items():
-            if now is None or abs(float(stored) - float(now)) > 1e-6:
+            if now is None or not same_number(float(stored), float(now)):
                 disagreements += 1
                 print(f"line {lineno}: {key} stored {stored} != re-scored {now}")
                 print(f"    completion: {rec['completion'][-200:]!r}")
     print(f"replayed {rows} rollouts from {path}: {disagreements} disagreements")
+    task.close()
     return disagreements
+
+
+def same_number(a, b):
+    """Equal to 1e-6, NaN to NaN (an unscored completion's reward)."""
+    return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-6
 
 
 # ---------------------------------------------------------------- the reward audit
@@ -741,6 +814,10 @@ AUDIT_PROBLEMS = 3  # the first problems of the train split are audited
 AUDIT_FUZZ = 12  # random edits of each problem's reference
 AUDIT_SLOW = 1.0  # seconds: a call slower than this is reported (a step makes batch_size of them)
 AUDIT_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# names a library scorer's frame holds (reasoning-gym's score_answer: the gold among them), which an
+# answer it evals could read
+FRAME_NAMES = ("oracle_answer", "answer", "entry", "metadata", "valid_solutions", "globals()",
+               "locals()")
 
 
 def audit(task_name, argv=()):
@@ -770,6 +847,7 @@ def audit(task_name, argv=()):
     print(f"{len(run.times)} calls, slowest {seconds:.3f} s ({name}), mean {mean:.3f} s; "
           f"{failures} failures, {len(run.findings) - failures} slow calls: "
           f"{'FAIL' if failures else 'PASS'}")
+    task.close()
     return failures
 
 
@@ -804,6 +882,7 @@ class Audit:
         cases.update(near_misses(reference, gold) if best is not None else {})
         for name, text in cases.items():
             self.score(name, problem, text, best)
+        self.probe(problem, reference if best is not None else None, gold)
         if best is None:
             print(f"problem {problem['id']}: no reference: crashes, slow calls, non-numbers only")
             return
@@ -844,6 +923,47 @@ class Audit:
             self.findings.append(("suspicious", f"{where}: correct ({as_text(result)}); "
                                   f"completion {text!r:.120}"))
         return reward, result
+
+    def probe(self, problem, reference, gold):
+        """Answers that are Python (items 1-2 of a library scorer's risks): does the reward run them
+        outside a sandbox (each makes a folder here if it runs), or can one read a name of the
+        scorer's frame, the gold among them (a folder by that name, or a score above nonsense)?"""
+        with tempfile.TemporaryDirectory() as folder:
+            def placed(text):  # in the reference's answer place, else in an answer tag
+                if reference is None or not gold or gold not in reference:
+                    return f"<think>k</think><answer>{text}</answer>"
+                at = reference.rfind(gold)
+                return reference[:at] + text + reference[at + len(gold):]
+
+            mkdir = "__import__('os').mkdir({!r} + {})"
+            runs = {"runs Python": mkdir.format(folder + "/ran", "''"),
+                    "runs Python, in a list": "[" + mkdir.format(folder + "/ran", "''") + "]"}
+            for name in FRAME_NAMES:
+                runs[f"reads {name}"] = mkdir.format(f"{folder}/{name.strip('()')}",
+                                                     f"str({name})[:0]")
+            for case, text in runs.items():
+                self.score(f"probe: {case}", problem, placed(text))
+            ran = sorted(os.listdir(folder))
+            if ran:
+                self.findings.append(("executes", (
+                    f"problem {problem['id']}: answers that are Python ran outside a sandbox, as "
+                    f"this user (e.g. {runs['runs Python']!r:.60}); declare EXECUTES_TEXT = True "
+                    "in the task file")))
+            read = [name for name in FRAME_NAMES if name.strip("()") in ran]
+            if read:
+                self.findings.append(("reads the gold", (
+                    f"problem {problem['id']}: an answer evaluated these names of the scorer's "
+                    f"frame: {', '.join(read)}")))
+            for name in FRAME_NAMES:  # each against the same text with a name bound to nothing
+                unbound = name.replace(name.strip("()"), "q" * len(name.strip("()")))
+                for form in ("{}", "{}[0]", "[r.split() for r in {}[0].split(chr(10))]"):
+                    text, control = form.format(name), form.format(unbound)
+                    reward, _ = self.score(f"probe: {text}", problem, placed(text))
+                    floor, _ = self.score(f"probe: {control}", problem, placed(control))
+                    if reward is not None and floor is not None and reward > floor + 1e-9:
+                        self.findings.append(("reads the gold", (
+                            f"problem {problem['id']}: the answer {text!r} scores {reward:.4g}, "
+                            f"{control!r} {floor:.4g}: an answer can read the scorer's names")))
 
     def wrong_answer(self, problem, reference, gold, best, others):
         """A completion in the reference's form that the reward scores below it: a number near a

@@ -31,6 +31,10 @@ PROMPT = (
     "{question}\nThink step by step inside <think> </think> tags, then give only the final answer "
     "inside <answer> </answer> tags."
 )
+# Several scorers eval() the answer (string_insertion, spiral_matrix, binary_matrix, n_queens) or
+# hand it to sympy's parse_expr, which evaluates Python (countdown, puzzle24, polynomial and
+# integration tasks): the reward runs in the sandbox, under its text guard (task.py, sandbox.Scorer)
+EXECUTES_TEXT = True
 DRAWS = 20  # entries drawn per problem asked for, at most: the test split keeps 1 question in 10
 # a longer answer is no answer: the longest of the datasets' own is ~4,000 characters
 # (tower_of_hanoi), and some scorers take seconds on a megabyte (countdown parses it)

@@ -203,6 +203,53 @@ def test_a_dataset_needs_the_sandbox_only_for_its_code_rows(no_unshare, tmp_path
         check_sandbox(cfg, load_task(cfg), [{"prompt": "add", "tests": ["assert add(1, 2) == 3"]}])
 
 
+def test_a_task_whose_reward_executes_text_needs_the_sandbox(no_unshare):
+    """EXECUTES_TEXT (reasoning-gym's scorers) fails closed like code: no sandbox, no run."""
+    cfg = load_config(overrides=["--task=reasoning_gym", "--rg_dataset=countdown"])
+    with pytest.raises(ConfigError, match="may run the model's text as code .EXECUTES_TEXT."):
+        check_sandbox(cfg, load_task(cfg), [{"id": "x"}])
+
+
+# the text guard in a process of its own (an audit hook stays for good): each source -> compiled?
+GUARD_CHECK = sandbox.GUARD + r"""
+import json, sympy
+from sympy.parsing.sympy_parser import parse_expr
+NAMES = ({n for n in dir(sympy) if not n.startswith("_") and callable(getattr(sympy, n))}
+         | {"True", "False", "None"}) - set(json.loads(sys.argv[1]))
+sys.addaudithook(guard)
+oracle_answer = "the gold"
+def evaluated(text, how):
+    try:
+        given = {"X": sympy.Symbol("X")}
+        value = eval(text) if how == "eval" else parse_expr(text, local_dict=given)
+        return str(value)
+    except Exception as e:
+        return "refused" if "refused" in str(e) else type(e).__name__
+cases = json.loads(sys.stdin.read())
+print(json.dumps([evaluated(text, how) for text, how in cases]))
+"""
+
+
+def test_the_text_guard_compiles_literals_arithmetic_and_sympy_only():
+    """What a library scorer may compile from an answer: literals and arithmetic (eval), sympy's
+    translation of an expression over its functions and the symbols the scorer gave it (parse_expr);
+    never a name of the scorer's frame, an attribute, a call of anything else, a lambda."""
+    cases = [("['A', 'B']", "eval"), ("[[1, 2], [3, 4]]", "eval"), ("3 + 4 * 5", "eval"),
+             ("(99 - 3) / 4", "parse"), ("X**2/2 + C", "parse"), ("sin(X) + pi", "parse"),
+             ("oracle_answer", "eval"), ("globals()", "eval"), ("__import__('os')", "eval"),
+             ("__import__('os').getcwd()", "parse"), ("(lambda: 1)()", "parse"),
+             ("[x for x in (1, 2)]", "eval"), ("sympify('1+1')", "parse"), ("().__class__", "eval")]
+    proc = subprocess.run([sys.executable, "-c", GUARD_CHECK, json.dumps(sandbox.REFUSED_NAMES)],
+                          input=json.dumps(cases), capture_output=True, text=True, timeout=120)
+    got = dict(zip([t for t, _ in cases], json.loads(proc.stdout)))
+    assert got["['A', 'B']"] == "['A', 'B']" and got["3 + 4 * 5"] == "23"
+    assert got["(99 - 3) / 4"] == "24" and got["X**2/2 + C"] == "C + X**2/2"
+    assert got["sin(X) + pi"] == "sin(X) + pi"
+    refused = ["oracle_answer", "globals()", "__import__('os')", "__import__('os').getcwd()",
+               "(lambda: 1)()", "[x for x in (1, 2)]", "sympify('1+1')", "().__class__"]
+    assert {t: got[t] for t in refused} == {t: "refused" for t in refused}
+
+
 def test_grpo_stops_before_any_model_without_the_sandbox(no_unshare, tmp_path):
     import grpo
 
@@ -523,6 +570,48 @@ def test_a_tool_call_that_closes_its_output_still_meets_its_deadline(tier, monke
     code = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(30)"
     out, ok = sandbox.run_python(code, timeout=2)
     assert not ok and "[timed out after 2 s]" in out and time.monotonic() - start < 5
+
+
+SHM = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+host = libc.shmget({key}, 0, 0)  # the host's segment, by its key
+mine = libc.shmget(0, 8 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600: a segment of its own, kept
+open("/run/lock/left-behind", "w").write("x") if __import__("os").path.isdir("/run/lock") else None
+print(host, mine >= 0)
+"""
+
+
+def shm_ids():
+    """The SysV shared memory segments this host's IPC namespace holds."""
+    with open("/proc/sysvipc/shm") as f:
+        return {line.split()[1] for line in f.readlines()[1:]}
+
+
+@pytest.mark.parametrize("tier", ["full", "namespaces"])
+def test_sandboxed_code_has_its_own_sysv_ipc_and_writable_folders(tier, monkeypatch):
+    """SysV shared memory is per IPC namespace: the code cannot open the host's segment, and the
+    one it leaves dies with its sandbox (before, 6 calls left 1.2 GB resident); what it writes in
+    /run/lock stays in its own."""
+    if TIER != "full":
+        pytest.skip(NO_FULL)
+    if tier == "namespaces":
+        monkeypatch.setattr(sandbox, "_BEST", ("namespaces", "simulated"))
+        monkeypatch.setattr(sandbox, "ALLOWED", "namespaces")
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = 0x6772706F  # "grpo"
+    host = libc.shmget(key, 4096, 0o1600)
+    assert host >= 0
+    before = shm_ids()
+    try:
+        out, ok = sandbox.run_python(SHM.format(key=key))
+        assert ok and out.split() == ["-1", "True"], out
+        assert shm_ids() == before  # its segment went with it
+        assert not os.path.exists("/run/lock/left-behind")
+    finally:
+        libc.shmctl(host, 0, None)  # IPC_RMID
 
 
 # ---------------------------------------------------------------- no process outlives the run

@@ -4,15 +4,17 @@
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 import task as task_module
 from config import ConfigError, load_config
-from task import check_task_output, load_problems, load_task, replay, score
+from task import audit, check_task_output, load_problems, load_task, replay, score, task_rewards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "config", "tiny.py")
@@ -97,8 +99,8 @@ def test_trl_reward_functions_weighed_as_trl_weighs_them(tmp_path, capsys, monke
     check_task_output(task, problems, cfg)
     texts, ids = ["4", "5", "hello"], [[5, 6], [1, 2, 3], [9]]
     rewards, comps = score(task, texts, problems, [2, 3, 1], cfg, ids)
-    # a: 2 * 1 - 0.01 * 2; b: 2 * 0 - 0.01 * 3; c: both None, so 0 (format_weight: no "format")
-    assert rewards.tolist() == pytest.approx([1.98, -0.03, 0.0])
+    # a: 2 * 1 - 0.01 * 2; b: 2 * 0 - 0.01 * 3; c: both None: NaN, left out of its group (TRL's)
+    assert rewards.tolist()[:2] == pytest.approx([1.98, -0.03]) and math.isnan(rewards[2])
     assert comps["accuracy_reward"].tolist() == [1.0, 0.0, 0.0]
     assert comps["brevity"].tolist() == pytest.approx([-0.02, -0.03, 0.0])
     assert comps["correct"].tolist() == [1.0, 0.0, 0.0]  # accuracy_reward's: acc and pass@k
@@ -108,7 +110,74 @@ def test_trl_reward_functions_weighed_as_trl_weighs_them(tmp_path, capsys, monke
     # reward_weights by function name overrides the file's
     cfg.component_weights = {"brevity": 0.0}
     rewards = score(task, texts, problems, [2, 3, 1], cfg, ids)[0]
-    assert rewards.tolist() == pytest.approx([2.0, 0.0, 0.0])
+    assert rewards.tolist()[:2] == pytest.approx([2.0, 0.0])
+
+
+def test_unscored_completions_and_array_scores_as_trls_own_trainer_treats_them(tmp_path):
+    """TRL 1.16's GRPOTrainer._generate_and_score_completions on the tiny model, two reward
+    functions with fixed scores per row, against this project on the same scores: a completion
+    every function leaves out (None, or NaN) is out of its group's baseline and gets advantage 0
+    ([1, None, None, 0] -> [0.707, 0, 0, -0.707], where this project gave [1.5, -0.5, -0.5, -0.5]);
+    numpy and torch scores count as numbers. (TRL adds 1e-4 to the std where this floors it: 1e-4
+    apart.)"""
+    pytest.importorskip("trl")
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from advantage import group_advantages
+    from preflight import build_tiny
+    from rewards import score_batch
+
+    first = [1.0, None, None, 0.0, np.float32(0.5), float("nan"), 2, torch.tensor(1.0)]
+    second = np.array([None, None, None, None, 0.25, None, np.float64(0.5), None], dtype=object)
+
+    def accuracy_reward(completions, **kwargs):
+        return list(first)
+
+    def other(completions, **kwargs):
+        return second
+
+    folder = build_tiny(str(tmp_path / "tiny"))
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=4, report_to="none", use_cpu=True,
+                      scale_rewards="group", save_strategy="no")
+    trainer = GRPOTrainer(model=folder, reward_funcs=[accuracy_reward, other], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]),
+                          processing_class=AutoTokenizer.from_pretrained(folder))
+    trl = trainer._generate_and_score_completions([{"prompt": "a"}] * 4 + [{"prompt": "b"}] * 4)
+    task = SimpleNamespace(correct="accuracy_reward")
+    rows = task_module.reward_rows(task, (8, {"accuracy_reward": first, "other": second}))
+    assert [r["unscored"] for r in rows] == [0, 1, 1, 0, 0, 1, 0, 0]
+    rewards, _ = score_batch(rows, [1] * 8, {"unscored": 0.0}, correct_weight=0.0,
+                             format_weight=0.0)
+    ours = group_advantages(rewards, 4)
+    assert ours.tolist() == pytest.approx(trl["advantages"].tolist(), abs=1e-3)
+    assert ours[:4].tolist() == pytest.approx([0.7071, 0, 0, -0.7071], abs=1e-4)
+    assert [ours[i].item() for i in (1, 2, 5)] == [0.0] * 3
+
+
+def test_a_nan_or_inf_score_leaves_out_one_completion_not_the_batch(tmp_path):
+    """One function's NaN (or inf) on 2 of 16 completions: those two are left out of that function's
+    sum as a None would be, the batch scores, nothing is counted an error (it zeroed all 16)."""
+    extra = """
+import math
+
+
+def shaky(completions, **kwargs):
+    return [math.nan if i == 3 else math.inf if i == 9 else 0.5 for i in range(len(completions))]
+"""
+    path = trl_task(tmp_path, chat=False, extra=extra, more=", shaky", more_weights=", 1.0")
+    cfg, task = setup(f"--task={path}")
+    problems = load_problems(cfg, task, "train")[:2] * 8
+    rewards, comps = score(task, ["4"] * 16, problems, [1] * 16, cfg, [[1]] * 16)
+    assert comps["errors"].tolist() == [0.0] * 16 and comps["unscored"].sum() == 0
+    assert comps["shaky"].tolist() == [0.0 if i in (3, 9) else 0.5 for i in range(16)]
+    want = [2 * (p["answer"] == "4") - 0.01 + 0.5 * (i not in (3, 9))
+            for i, p in enumerate(problems)]
+    assert rewards.tolist() == pytest.approx(want)
 
 
 def test_a_failing_reward_function_fails_its_share(tmp_path):
@@ -176,8 +245,8 @@ def test_reward_functions_checked_before_the_run(tmp_path):
             "\\['answer', 'id', 'kind'\\].*\\*\\*kwargs",
         "def short(completions, **kwargs):\n    return []\n":
             "reward function short returned \\[\\]; expected a list of 1 floats",
-        "def nan(completions, **kwargs):\n    return [float('nan')]\n":
-            "reward function nan returned nan",
+        "def word(completions, **kwargs):\n    return ['one']\n":  # a NaN is left out (TRL's)
+            "reward function word returned 'one'; expected a float or None",
     }
     for i, (function, message) in enumerate(calls.items()):
         name = function.split()[1].split("(")[0]
@@ -257,6 +326,7 @@ def test_reasoning_gym_problems_are_fixed_disjoint_and_scored_by_the_dataset(nam
     assert all(p["answer"] in r for p, r in zip(problems, right))
     texts = right + ["<think>hm</think><answer>-7</answer>", "no answer"]
     rewards, comps = score(task, texts, problems + problems[:2], [1] * 6, cfg)
+    task.close()
     # the dataset's scorer: 1 for its answer, `wrong` for a wrong one (its choice); format 0.1; no
     # tag -0.2.
     # (leg_counting's is reasoning-gym's default: an answer that holds the right one scores a share)
@@ -272,6 +342,7 @@ def test_reasoning_gym_entries_come_back_from_json_whole():
     problem = json.loads(json.dumps(load_problems(cfg, task, "train")[0]))
     assert isinstance(problem["metadata"]["output"], list) and problem["rg"]["tuples"]
     assert task.reward(task.reference(problem), problem)["correct"] == 1.0
+    task.close()
 
 
 def test_reasoning_gym_settings_fail_clearly():
@@ -435,3 +506,51 @@ def test_holes_the_audit_found_are_closed():
     problem = load_problems(cfg, rg, "train")[0]
     long = f"<answer>{problem['answer']}{' ' * 20_000}+ 0</answer>"
     assert rg.reward(long, problem)["parsed"] == 0.0
+
+
+# a task file that calls reasoning-gym's scorers in the trainer's process, as this project did
+# before EXECUTES_TEXT: what the audit must catch
+UNFIXED = """import task as _task
+_rg = _task.import_file({path!r})
+configure, problems, prompt, reward, reference = (_rg.configure, _rg.problems, _rg.prompt,
+                                                   _rg.reward, _rg.reference)
+"""
+
+
+@pytest.mark.parametrize("name", ["countdown", "string_insertion", "n_queens",
+                                  "simple_integration"])
+def test_reasoning_gym_answers_that_are_python_neither_run_nor_read_the_gold(name, tmp_path):
+    """EXECUTES_TEXT: the scorers run in the sandbox under the text guard. Their own answers still
+    score 1; an answer that is Python runs nowhere (it would make a folder here) and scores no more
+    than nonsense; the names of the scorer's frame (the gold) are out of its reach."""
+    cfg, task = setup("--task=reasoning_gym", f"--rg_dataset={name}", "--train_size=2")
+    assert task.executes_text
+    problem = json.loads(json.dumps(load_problems(cfg, task, "train")[0]))
+    marker = tmp_path / "ran"
+    mkdir = f"__import__('os').mkdir({str(marker)!r})"
+    attacks = [mkdir, f"[{mkdir}]",
+               "oracle_answer", "[r.split() for r in valid_solutions[0].split(chr(10))]",
+               "globals()", "(lambda: oracle_answer)()", "entry['answer']"]
+    texts = [task.reference(problem), "<answer>nonsense</answer>",
+             *(f"<answer>{a}</answer>" for a in attacks)]
+    try:
+        got = task_rewards(task, texts, [problem] * len(texts), cfg.reward_timeout)
+    finally:
+        task.close()  # its sandboxed scorer, which would live as long as this process
+    correct = [g["correct"] for g in got]
+    assert correct[0] == 1.0 and not marker.exists()
+    assert max(correct[2:]) <= correct[1], dict(zip(attacks, correct[2:]))
+
+
+def test_the_audit_finds_python_answers_run_outside_a_sandbox(tmp_path, capsys):
+    """The audit's probes, on reasoning-gym's string_insertion: the unfixed task file (its scorer
+    evals the answer in this process) fails with both findings; the shipped one passes."""
+    unfixed = tmp_path / "unfixed_rg.py"
+    unfixed.write_text(UNFIXED.format(path=os.path.join(ROOT, "tasks", "reasoning_gym.py")))
+    assert audit(str(unfixed), ["--rg_dataset=string_insertion"]) > 0
+    out = capsys.readouterr().out
+    assert "executes:" in out and "declare EXECUTES_TEXT = True" in out
+    assert "reads the gold:" in out and "oracle_answer" in out
+    assert audit("reasoning_gym", ["--rg_dataset=string_insertion"]) == 0
+    out = capsys.readouterr().out
+    assert "executes:" not in out and "reads the gold:" not in out
