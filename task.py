@@ -116,7 +116,7 @@ class Task:
     answer: object = None  # answer(completion, problem): the final answer maj@n votes on, or None
 
     def close(self):
-        """End the sandboxed processes of EXECUTES_TEXT's rewards (they die with this one anyway)."""
+        """End the sandboxed processes of EXECUTES_TEXT's rewards (they die with this one too)."""
         for f in [self.reward, *self.reward_funcs]:
             if isinstance(f, sandbox.Scorer):
                 f.close()
