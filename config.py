@@ -218,6 +218,8 @@ CHOICES = {
 # and the trainer would divide the logits by different temperatures
 MIN_TEMPERATURE = 0.01
 MAX_VLLM_TEMPERATURE = 2.0  # vLLM 0.33's SamplingParams refuse more
+# O1: the learning rates pre-flight accepts without a warning (the tiny test model takes 2e-2)
+LR_USUAL = (1e-8, 0.1)
 
 
 class ConfigError(ValueError):
@@ -579,6 +581,10 @@ def warn_misleading(cfg):
                       "exactly 1, where CISPO, SAPO, GPG and dual-clip all give GRPO's gradient; "
                       "they differ from the second step on a batch on (num_iterations > 1 or "
                       "mini_batches > 1)")
+    if not LR_USUAL[0] <= cfg.lr <= LR_USUAL[1]:  # O1: an AdamW step moves each weight by ~lr
+        warnings.warn(f"lr={cfg.lr:g} is far outside the usual range ({LR_USUAL[0]:g} to "
+                      f"{LR_USUAL[1]:g}; 1e-6 to 1e-5 for full fine-tuning of a 1-8B model): the "
+                      "first update may destroy the model, or none may move it")
     if cfg.top_p < 1 or cfg.top_k > 0:
         warnings.warn(f"top_p={cfg.top_p}, top_k={cfg.top_k}: the sampler's logprobs are "
                       "renormalised over the kept tokens while the trainer's are over the whole "

@@ -177,19 +177,37 @@ class Rollouts:
         )
 
 
+class Diverged(RuntimeError):
+    """The policy's outputs or updates are no longer finite: the run stops, saying why."""
+
+
+def diverged(cfg, what):
+    """Diverged, naming its likely cause (L6)."""
+    return Diverged(f"{what}: the policy's weights have diverged. The likely cause is the learning "
+                    f"rate, lr={cfg.lr:g} (usual: 1e-6 to 1e-5 for full fine-tuning of a 1-8B "
+                    "model, up to ~1e-4 with LoRA or a ~100M model); lower it and go on from the "
+                    "last checkpoint: --resume=true --resume_changed=true --lr=...")
+
+
 def generate_and_score(engine, train, idx, seeds, cfg, temperature):
     """G completions for each prompt index in idx, scored by the task's reward (W1)."""
     prompts = [train.prompt_ids[i] for i in idx]
     # the task's STOP ends a completion at its answer (kept in it): a base model does not sample
     # to max_completion_len past it and train on that with the answer's advantage
-    groups = engine.generate(prompts, cfg.group_size, seeds=seeds, temperature=temperature,
-                             top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
-                             stop=train.task.stop or None,
-                             progress=sys.stdout.isatty())  # a progress bar on a terminal
+    try:
+        groups = engine.generate(prompts, cfg.group_size, seeds=seeds, temperature=temperature,
+                                 top_p=cfg.top_p, top_k=cfg.top_k,
+                                 max_tokens=cfg.max_completion_len, stop=train.task.stop or None,
+                                 progress=sys.stdout.isatty())  # a progress bar on a terminal
+    except FloatingPointError as e:  # the HF engine's logits (rollout.sample_next)
+        raise diverged(cfg, str(e)) from None
     # cheap, and a silent mix-up would be costly
     if any(g[0].prompt_ids != p for g, p in zip(groups, prompts)):
         raise RuntimeError("the engine returned completions for other prompts than it was given")
     completions = [c for g in groups for c in g]  # (N,) = len(idx) * G
+    # vLLM samples on from NaN logits (token 0 every time): its logprobs tell
+    if any(not math.isfinite(x) for c in completions for x in c.logprobs):
+        raise diverged(cfg, "the sampler's logprobs are not finite")
     problem = [i for i in idx for _ in range(cfg.group_size)]
     lengths = [len(c.completion_ids) for c in completions]
     start = time.perf_counter()
@@ -614,9 +632,9 @@ def count_nonfinite(stepped, state, cfg, loss, grad_norm):
         return 0
     print(f"step {state.step}: non-finite loss {loss} or grad norm {grad_norm.item()}; "
           "update skipped")
-    if state.nonfinite_in_a_row >= cfg.max_nonfinite:
-        raise RuntimeError(f"{state.nonfinite_in_a_row} non-finite updates in a row; lower lr or "
-                           "check the data")
+    if state.nonfinite_in_a_row >= cfg.max_nonfinite:  # else the run goes on with a broken model
+        raise diverged(cfg, f"step {state.step}: {state.nonfinite_in_a_row} non-finite updates in "
+                            "a row (max_nonfinite)")
     return 1
 
 
@@ -682,7 +700,10 @@ def evaluate_all(engine, eval_sets, cfg, sampled=True):
     name: its greedy completion texts})."""
     metrics, texts = {}, {}
     for split in eval_sets:
-        found, texts[split.name] = evaluate(engine, split, cfg, cfg.seed, sampled)
+        try:
+            found, texts[split.name] = evaluate(engine, split, cfg, cfg.seed, sampled)
+        except FloatingPointError as e:  # the HF engine's logits (rollout.sample_next)
+            raise diverged(cfg, f"eval: {e}") from None
         metrics.update(found)
     return metrics, texts
 
@@ -843,3 +864,5 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    except Diverged as e:  # metrics.jsonl and the checkpoints hold every step before it
+        sys.exit(f"stopped: {e}")

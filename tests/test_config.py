@@ -247,6 +247,8 @@ def test_ref_refresh_needs_a_reference():
          "equals the token-level one"),
         (["--top_p=0.9"], "renormalised over the kept tokens"),
         (["--top_k=20"], "renormalised over the kept tokens"),
+        (["--lr=1e10"], r"lr=1e\+10 is far outside the usual range"),
+        (["--lr=1e-12"], "far outside the usual range"),
     ],
 )
 def test_settings_that_mislead_warn(overrides, message):

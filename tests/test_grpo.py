@@ -394,6 +394,33 @@ def test_nonfinite_step_is_skipped_and_leaves_weights_alone():
     assert stepped and norm.item() == pytest.approx(5.0) and w.tolist() != [1.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("engine", [pytest.param("vllm", marks=requires_vllm), "hf"])
+def test_a_learning_rate_that_destroys_the_model_stops_the_run_saying_so(tmp_path, engine):
+    """lr=1e10: the first update blows the weights up. The HF engine crashed (an IndexError in
+    sample_next), vLLM sampled token 0 ever after, every update a silent zero-gradient step, and the
+    run exited 0. Now pre-flight warns, and the next generation stops the run naming lr."""
+    proc = subprocess.run(command(tmp_path, f"--engine={engine}", "--lr=1e10", "--max_steps=6",
+                                  "--eval_every=0"), capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 1
+    assert "lr=1e+10 is far outside the usual range" in proc.stderr
+    stopped = proc.stderr.strip().splitlines()[-1]
+    assert stopped.startswith("stopped: the ") and "weights have diverged" in stopped
+    assert "lr=1e+10" in stopped and "Traceback" not in proc.stderr
+    assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [0]  # what it did, kept
+
+
+def test_non_finite_updates_in_a_row_stop_the_run_naming_lr():
+    """max_nonfinite skipped updates in a row: the run stops (it went on with a broken model)."""
+    cfg = config.load_config(overrides=["--max_nonfinite=2", "--lr=1e-3"])
+    state = SimpleNamespace(step=7, nonfinite_in_a_row=0)
+    assert grpo.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(1.0)) == 1
+    with pytest.raises(grpo.Diverged, match=r"step 7: 2 non-finite updates in a row .* lr=0.001"):
+        grpo.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(float("inf")))
+    assert grpo.count_nonfinite(True, state, cfg, 0.5, torch.tensor(1.0)) == 0
+    assert state.nonfinite_in_a_row == 0
+
+
 class Recorder:
     """Forwards every call to the real object and notes it: a thin wrapper, not a mock."""
 
