@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import socket
+import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -84,12 +85,21 @@ def load_checkpoint(folder, cfg, policy, ref, optimizer, sampler):
     sampler.load_state_dict(saved.pop("sampler"))
     kept = ("step", "beta", "kl_history", "nonfinite_in_a_row")
     state = TrainState(**{k: saved[k] for k in kept}, run_id=saved.get("run_id", ""))
-    parallel.load_optimizer(policy, optimizer, torch.load(os.path.join(folder, "optimizer.pt")))
-    restore_rng(torch.load(os.path.join(folder, "rng.pt"), weights_only=False))
+    parallel.load_optimizer(policy, optimizer, load_file(folder, "optimizer.pt"))
+    restore_rng(load_file(folder, "rng.pt", weights_only=False))
     if ref is not None and cfg.ref_refresh_steps:
-        parallel.load_model(ref, torch.load(os.path.join(folder, "reference.pt")))
+        parallel.load_model(ref, load_file(folder, "reference.pt"))
     print(f"resumed from {folder} at step {state.step}")
     return state
+
+
+def load_file(folder, name, **kwargs):
+    """torch.load of a checkpoint's file, or a ConfigError saying how to go on without it."""
+    try:
+        return torch.load(os.path.join(folder, name), **kwargs)
+    except Exception as e:  # damage the cheap check (damaged) cannot see: bytes overwritten
+        raise ConfigError(f"{folder}/{name} cannot be loaded ({type(e).__name__}: {e}); move "
+                          f"{folder} out of out_dir to resume from the checkpoint before it") from e
 
 
 def rng_states():
@@ -129,6 +139,9 @@ def truncate_log(path, step):
             print(f"{path}: its last line was cut off mid-write (the run was killed, or the disk "
                   "filled); dropped it")
             continue
+        if type(logged) is not int:
+            raise ConfigError(f"{path}, line {lineno}: step {logged!r} is not a whole number; fix "
+                              "or delete that line, and resume again")
         if logged < step:
             keep.append(line + b"\n")
     with open(path + ".tmp", "wb") as f:
@@ -192,7 +205,7 @@ def claim_out_dir(cfg, rank):
                               "fresh run would mix with; continue it with --resume=true, or give "
                               "this run another --out_dir (or delete those)")
         return None
-    resume_from = (checkpoints(cfg.out_dir) or [None])[-1]
+    resume_from = newest_intact(cfg.out_dir)
     if cfg.eval_only:  # evaluates the checkpoint; the run's logs stay as they are
         return resume_from
     if resume_from:
@@ -206,6 +219,52 @@ def claim_out_dir(cfg, rank):
     for log in ("metrics.jsonl", "samples.jsonl") if rank == 0 else ():
         truncate_log(os.path.join(cfg.out_dir, log), step)
     return resume_from
+
+
+def newest_intact(out_dir):
+    """The newest checkpoint whose files are whole (damaged(): a newer one is passed over, saying
+    why; the next save of its step replaces it), or None."""
+    found = checkpoints(out_dir)
+    for folder in reversed(found):
+        why = damaged(folder)
+        if why is None:
+            return folder
+        print(f"warning: {folder} is damaged ({why}); resuming from the checkpoint before it")
+    if found:
+        raise ConfigError(f"every checkpoint in {out_dir} is damaged; start a new run in another "
+                          "--out_dir")
+    return None
+
+
+def damaged(folder):
+    """Why a checkpoint's files cannot be loaded whole, or None: its trainer_state.json, its torch
+    files (zip archives whose directory, at the end, a cut-off copy lacks) and its safetensors
+    weights (a header that says how long the file is). Cheap: no tensor is read."""
+    try:
+        checkpoint_step(folder)
+    except ConfigError:
+        return "trainer_state.json cannot be read"
+    for name in ("optimizer.pt", "rng.pt", "reference.pt"):
+        path = os.path.join(folder, name)
+        if name != "reference.pt" and not os.path.exists(path):
+            return f"{name} is missing"
+        if os.path.exists(path) and not zipfile.is_zipfile(path):
+            return f"{name} is not whole (cut off or overwritten)"
+    weights = glob.glob(os.path.join(folder, "*.safetensors"))
+    if not weights:
+        return "no *.safetensors weights"
+    for path in weights:
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                      default=0)
+            if os.path.getsize(path) != 8 + size + end:
+                return f"{os.path.basename(path)} is cut off"
+        except (OSError, ValueError, KeyError, TypeError, MemoryError):
+            return f"{os.path.basename(path)} is not whole"
+    return None
 
 
 def checkpoint_step(folder):
@@ -258,9 +317,18 @@ RUN_SETTINGS = (
 
 def changed_settings(cfg, saved):
     """[(name, saved value, value now)] for each of RUN_SETTINGS where `saved` (save_config's JSON)
-    differs from cfg."""
+    differs from cfg; two paths to one file or folder (./tasks/x.py, tasks/x.py) are the same."""
     now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples become the lists the JSON holds
-    return [(k, saved[k], now[k]) for k in RUN_SETTINGS if k in saved and saved[k] != now[k]]
+    return [(k, saved[k], now[k]) for k in RUN_SETTINGS
+            if k in saved and saved[k] != now[k] and not same_file(saved[k], now[k])]
+
+
+def same_file(a, b):
+    """True if a and b are paths to one existing file or folder."""
+    try:
+        return isinstance(a, str) and isinstance(b, str) and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def check_same_run(cfg, folder):

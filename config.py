@@ -431,6 +431,8 @@ def validate(cfg):
              f"{f.name}={value} must be a finite number (default {f.default})")
     check_out_dir(cfg.out_dir)
     check_machine(cfg)
+    for name in ("seed", "data_seed"):  # vLLM keeps its seed as an int64, torch as a uint64
+        need(0 <= getattr(cfg, name) < 2**63, f"{name}={getattr(cfg, name)} must be in 0..2**63-1")
     G = cfg.group_size
     need(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} must be >= 1: the completions of a "
                               f"step, a multiple of group_size={G} (e.g. {8 * G})")

@@ -27,7 +27,8 @@ from perf.logprobs import head_chunk
 # Any other model is read from its local config.json (or, if transformers can reach it, the hub).
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True),
+                 num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
+                 max_position_embeddings=1024),
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          tie_word_embeddings=True, max_position_embeddings=8192),
@@ -440,7 +441,7 @@ def build_tiny(folder, seed=0, tie=True):
     # every row decodable
     shape = {**SHAPES["tiny"], "vocab_size": len(tokenizer), "tie_word_embeddings": tie}
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=1024, bos_token_id=None,
+    model = LlamaForCausalLM(LlamaConfig(**shape, bos_token_id=None,
                                          eos_token_id=tokenizer.eos_token_id,
                                          pad_token_id=tokenizer.pad_token_id))
     # written whole, then renamed: a killed build leaves no half model

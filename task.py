@@ -837,6 +837,7 @@ def audit(task_name, argv=()):
         print("  note: the task file defines no reference(problem): suspicious rewards go untold")
     run = Audit(task, cfg)
     references = [task.reference(p) if task.reference else None for p in problems]
+    references = [r if isinstance(r, str) else None for r in references]  # others: Audit.problem
     for i, problem in enumerate(problems):
         run.problem(problem, references[i + 1:] + references[:i])
     for kind, text in run.findings:
@@ -866,6 +867,11 @@ class Audit:
         """Audit one problem; others: the other problems' references, wrong answers to try here."""
         task, best, gold, wrong = self.task, None, None, None
         reference = task.reference(problem) if task.reference else None
+        if reference is not None and not isinstance(reference, str):
+            self.findings.append(("bad reference", f"problem {problem['id']}: reference() returned "
+                                  f"{type(reference).__name__} {reference!r:.60}; it must return "
+                                  "a completion (a string) or None"))
+            reference = None
         if reference is not None:
             best, result = self.score("reference", problem, reference)
             if best is not None and result.get("correct", 1.0) < 1:

@@ -51,3 +51,53 @@ def test_resume_on_fewer_gpus_restores_this_devices_cuda_rng(tmp_path, monkeypat
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[2])  # this GPU's
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
     assert torch.equal(rng_states()["cuda"], states[2])
+
+
+def test_a_damaged_checkpoint_is_passed_over_for_the_one_before(tmp_path, capsys):
+    """A tiny run saved at steps 2 and 4; ckpt_000004's optimizer.pt then cut off (a copy that
+    stopped), or its weights: the resume goes on from step 2, saying why, and the logs are cut back
+    to it; only when no checkpoint is whole is it an error."""
+    import grpo
+    from checkpoint import damaged
+
+    out = tmp_path / "run"
+    common = ["--config", TINY, f"--out_dir={out}", "--engine=hf", "--save_every=2",
+              "--eval_every=0"]
+    grpo.main([*common, "--max_steps=4"])
+    assert damaged(str(out / "ckpt_000004")) is None
+    optimizer = out / "ckpt_000004" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:1000])
+    assert damaged(str(out / "ckpt_000004")) == "optimizer.pt is not whole (cut off or overwritten)"
+    capsys.readouterr()
+    grpo.main([*common, "--max_steps=5", "--resume=true"])
+    said = capsys.readouterr().out
+    assert "ckpt_000004 is damaged (optimizer.pt is not whole" in said and "at step 2" in said
+    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    assert steps == [0, 1, 2, 3, 4]  # 2 and 3 again, then 4
+    weights = out / "ckpt_000005" / "model.safetensors"  # the last two are kept: 4 and 5
+    weights.write_bytes(weights.read_bytes()[:-10])
+    assert damaged(str(out / "ckpt_000005")) == "model.safetensors is cut off"
+
+
+def test_a_log_line_whose_step_is_not_a_whole_number_is_named(tmp_path):
+    import pytest
+
+    from checkpoint import truncate_log
+    from config import ConfigError
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 0}\n{"step": "1"}\n{"step": 2}\n')
+    with pytest.raises(ConfigError, match=r"line 2: step '1' is not a whole number"):
+        truncate_log(str(log), 2)
+
+
+def test_a_path_setting_written_two_ways_is_the_same_run(tmp_path, monkeypatch):
+    """task=./tasks/digits.py and task=tasks/digits.py name one file: no change on resume."""
+    from checkpoint import changed_settings
+    from config import load_config
+
+    monkeypatch.chdir(ROOT)
+    saved = json.loads(json.dumps(vars(load_config(overrides=["--task=./tasks/digits.py"]))))
+    assert changed_settings(load_config(overrides=["--task=tasks/digits.py"]), saved) == []
+    other = load_config(overrides=["--task=tasks/larger.py"])
+    assert changed_settings(other, saved) == [("task", "./tasks/digits.py", "tasks/larger.py")]

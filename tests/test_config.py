@@ -298,6 +298,8 @@ def test_is_correction_settings():
         ("--temperature=2.5", "vLLM refuses a temperature above 2.0"),  # at its first generate
         ("--temperature_end=3.0", "temperature_end=3.0: vLLM refuses"),
         ("--out_dir=", "out_dir is empty"),
+        ("--seed=18446744073709551617", r"seed=18446744073709551617 must be in 0..2\*\*63-1"),
+        ("--seed=-1", "seed=-1 must be in"), ("--data_seed=-3", "data_seed=-3 must be in"),
     ],
 )
 def test_settings_that_would_fail_late_fail_in_validation(override, message):

@@ -195,6 +195,12 @@ def test_a_context_beyond_the_models_fails(tmp_path):
     with pytest.raises(ConfigError, match="256 \\+ 64 = 320 tokens, beyond .*'s context of 300"):
         preflight.preflight(load_config(overrides=[f"--model={tmp_path}"]))
     preflight.preflight(load_config(overrides=[f"--model={tmp_path}", "--max_completion_len=44"]))
+    # the tiny test model too (its positions: 1024, as build_tiny makes it)
+    tiny = ["--model=tiny", "--max_prompt_len=1000", "--max_completion_len=64",
+            "--micro_batch_tokens=1100"]
+    with pytest.raises(ConfigError, match="= 1064 tokens, beyond tiny's context of 1024"):
+        preflight.preflight(load_config(overrides=tiny))
+    assert preflight.SHAPES["tiny"]["max_position_embeddings"] == 1024
 
 
 def test_a_kv_cache_the_machine_cannot_give_fails(monkeypatch):

@@ -554,3 +554,15 @@ def test_the_audit_finds_python_answers_run_outside_a_sandbox(tmp_path, capsys):
     assert audit("reasoning_gym", ["--rg_dataset=string_insertion"]) == 0
     out = capsys.readouterr().out
     assert "executes:" not in out and "reads the gold:" not in out
+
+
+def test_an_audit_of_a_reference_that_is_not_a_string_says_so(tmp_path, capsys):
+    """reference() returning a number is a finding, not a crash of the audit."""
+    path = tmp_path / "number_reference.py"
+    path.write_text("def problems(split, n, seed):\n    return [{'id': str(i)} for i in range(n)]\n"
+                    "def prompt(p):\n    return 'Say 4.'\n"
+                    "def reward(completion, problem):\n    return float('4' in completion)\n"
+                    "def reference(problem):\n    return 4\n")
+    assert audit(str(path)) > 0
+    assert "bad reference: problem 0: reference() returned int 4; it must return a completion" \
+        in capsys.readouterr().out
