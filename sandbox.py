@@ -870,7 +870,7 @@ class Scorer:
                                             self._shown())
         self.owner, self.cgroups = os.getpid(), cgroups
         KEPT.add(self.proc.pid)
-        root = os.path.dirname(os.path.abspath(__file__))  # the project's modules, as imported here
+        root = os.path.dirname(os.path.realpath(__file__))  # the project (a link resolved)
         sys_path = [os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)]
         job = {"file": self.path, "module": self.module, "function": self.function,
                "limits": limits, "sys_path": [root, *sys_path],

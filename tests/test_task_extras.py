@@ -358,7 +358,7 @@ def test_reasoning_gym_settings_fail_clearly():
 
 def test_three_steps_on_a_reasoning_gym_task(tmp_path):
     metrics = tiny_run(tmp_path, "--task=reasoning_gym", "--rg_dataset=leg_counting",
-                       "--train_size=16", "--max_prompt_len=1024", "--micro_batch_tokens=1200")
+                       "--train_size=16", "--max_prompt_len=992", "--micro_batch_tokens=1200")
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert all(m["reward/errors"] == 0 and m["acc"] is not None for m in metrics)
     assert metrics[-1]["eval/pass@4"] is not None
@@ -506,6 +506,7 @@ def test_holes_the_audit_found_are_closed():
     problem = load_problems(cfg, rg, "train")[0]
     long = f"<answer>{problem['answer']}{' ' * 20_000}+ 0</answer>"
     assert rg.reward(long, problem)["parsed"] == 0.0
+    rg.close()
 
 
 # a task file that calls reasoning-gym's scorers in the trainer's process, as this project did
