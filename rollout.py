@@ -295,7 +295,9 @@ def sample_next(logits, temperature, top_p, top_k, generators):
     vLLM's processed logprobs are). Each row draws from its own generator, so a row's sample depends
     on its seed only, not on the batch it is in (N ranks sample what one process does).
     temperature 0: greedy, logprobs None."""
-    if not torch.isfinite(logits).all():  # weights blown up by an update: no token to draw
+    # a NaN or +inf logit, or a row of -inf: weights an update blew up, no token to draw (a masked
+    # token's -inf is fine; amax carries a NaN)
+    if not torch.isfinite(logits.amax(-1)).all():
         raise FloatingPointError("the policy's logits are not finite")
     if temperature == 0:
         return logits.argmax(-1), None

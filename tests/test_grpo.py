@@ -182,11 +182,17 @@ TINY = ["--config", os.path.join(ROOT, "config", "tiny.py")]
 
 
 def fake_checkpoint(out_dir, step, *overrides):
-    """A checkpoint folder as far as a resume reads it before a model loads: its step and config."""
+    """A checkpoint folder as far as a resume reads it before a model loads: its step and config,
+    and whole (if empty) files where checkpoint.damaged looks."""
+    from safetensors.torch import save_file
+
     folder = out_dir / f"ckpt_{step:06d}"
     folder.mkdir(parents=True)
     (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
     config.save_config(config.config_from_argv([*TINY, *overrides]), folder / "grpo_config.json")
+    for name in ("optimizer.pt", "rng.pt"):
+        torch.save({}, folder / name)
+    save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
     return folder
 
 
