@@ -44,9 +44,10 @@ def checkpoints(out_dir):
     return sorted(glob.glob(os.path.join(out_dir, "ckpt_*")))
 
 
-def save_checkpoint(cfg, policy, ref, tokenizer, optimizer, sampler, state):
+def save_checkpoint(cfg, policy, ref, tokenizer, optimizer, sampler, state, extra=None):
     """Write everything to a temp folder, then rename it:
-    a kill at any moment leaves the last one whole.
+    a kill at any moment leaves the last one whole. extra: a function giving {file name: object}
+    to torch.save there too (R8's batches made for the steps after it).
 
     Called on every rank: the full (unsharded) states are gathered to rank 0, which alone writes.
     The same files whatever the number of ranks, so any number can resume them, and from_pretrained
@@ -55,6 +56,7 @@ def save_checkpoint(cfg, policy, ref, tokenizer, optimizer, sampler, state):
     # optimizer keyed by parameter name
     model_state, optimizer_state = parallel.full_state(policy, optimizer)
     ref_state = parallel.full_state(ref)[0] if cfg.ref_refresh_steps and ref is not None else None
+    files = extra() if extra is not None else {}
     if parallel.rank() > 0:
         parallel.barrier()
         return
@@ -67,6 +69,8 @@ def save_checkpoint(cfg, policy, ref, tokenizer, optimizer, sampler, state):
     torch.save(rng_states(), os.path.join(tmp, "rng.pt"))
     if ref_state is not None:
         torch.save(ref_state, os.path.join(tmp, "reference.pt"))
+    for name, value in files.items():
+        torch.save(value, os.path.join(tmp, name))
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
         json.dump({**dataclasses.asdict(state), "sampler": sampler.state_dict()}, f)
     save_config(cfg, os.path.join(tmp, "grpo_config.json"))  # config.json is the HF model config

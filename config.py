@@ -111,6 +111,10 @@ class Config:
     is_mode: str = "truncate"  # R2: over the cap: cut to it ("truncate", TIS) or dropped ("mask")
     is_cap: float = 2.0  # R2: cap on the per-token ratio (TRL vllm_importance_sampling_cap)
     is_seq_cap: float = 3.0  # R2: cap on a completion's ratio, the product over its tokens
+    is_floor: float = 0.0  # R2, R8: the band's floor: below it raised (truncate) or out; 0 = none
+    async_rollouts: bool = False  # R8: a sampler process makes the next batches during updates
+    max_staleness: int = 1  # R8: batch t is made with the weights after t - max_staleness updates
+    old_logprobs: str = "recompute"  # R8: the ratio's pi_old: the trainer's, or "sampler" (its q)
 
     # ---- tool calls (multi-turn rollouts, tools.ToolEngine) ----
     tools: bool = False  # a completion may run Python; its output comes back; False = one turn
@@ -213,6 +217,7 @@ CHOICES = {
     "device": ("auto", "cuda", "cpu"), "is_correction": ("off", "token", "sequence"),
     "is_mode": ("truncate", "mask"), "vllm_sleep_level": (0, 1, 2),
     "parallel": ("fsdp", "ddp"), "sandbox": ("full", "namespaces", "none"),
+    "old_logprobs": ("recompute", "sampler"),
 }
 # R4/R5: vLLM raises any temperature below this to it (lower ones give nan or inf), so the sampler
 # and the trainer would divide the logits by different temperatures
@@ -501,6 +506,11 @@ def validate(cfg):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
     for name in ("is_cap", "is_seq_cap"):
         need(getattr(cfg, name) > 1, f"{name}={getattr(cfg, name)} must be > 1 (TRL uses 2-3)")
+    need(0 <= cfg.is_floor < 1, f"is_floor={cfg.is_floor} must be in [0, 1) (IcePop: 0.5)")
+    need(cfg.max_staleness >= 1, f"max_staleness={cfg.max_staleness} must be >= 1 (R8: 1 is one "
+                                 "batch ahead)")
+    need(not cfg.async_rollouts or cfg.vllm_tensor_parallel == 1,
+         "async_rollouts runs one sampler process on one device; vllm_tensor_parallel must be 1")
     need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
     need(0 < cfg.gpu_memory_utilization < 1, f"gpu_memory_utilization="
@@ -551,6 +561,11 @@ def check_machine(cfg):
 
     need(cfg.device != "cuda" or torch.cuda.is_available(),
          "device='cuda', but torch sees no CUDA GPU here; use --device=cpu or auto")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    need(not (cfg.async_rollouts and on_gpu) or torch.cuda.device_count() > world,
+         f"async_rollouts on GPUs: the sampler takes the GPU after the {world} trainer rank(s), "
+         f"and this machine has {torch.cuda.device_count()}; run one rank fewer")
     for name, package in (("wandb_project", "wandb"), ("tensorboard", "tensorboard")):
         off = getattr(Config(), name)
         need(not getattr(cfg, name) or importlib.util.find_spec(package) is not None,

@@ -49,6 +49,7 @@ from tqdm import tqdm
 import log
 import parallel
 from advantage import group_advantages, group_stats
+from async_rollouts import AsyncRollouts, load_pending
 from checkpoint import TrainState, load_checkpoint, save_checkpoint
 from config import ConfigError
 from evals import eval_table, sampled_metrics
@@ -106,6 +107,7 @@ class Rollouts:
     tool_tokens: torch.Tensor  # tokens of the tools' output: context, not trained on
     score_seconds: float = 0.0
     tool_seconds: float = 0.0
+    policy_version: int = None  # R8: updates the weights that made it had seen (async only)
 
     def __len__(self):
         return len(self.rewards)
@@ -253,7 +255,8 @@ def zero_gradient_rows(batch, cfg):
 
 
 def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
-    """Sample prompts, generate G completions each, score them, refill (R7): (batch, drawn, rounds).
+    """Sample prompts, generate G completions each, score them, refill (R7), feed the curriculum
+    (D2): (batch, drawn, rounds).
 
     Every rank draws the same global prompts (same sampler, same seed) and keeps its contiguous
     slice, so a group never straddles ranks. batch: this rank's rows to train on. drawn: every row
@@ -292,6 +295,9 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
         times["time/tools"] = batch.tool_seconds
     spent = time.perf_counter() - t0
     times["time/generate"] = spent - times["time/score"] - times.get("time/tools", 0.0)
+    # D2: every group drawn, with its pass rate, feeds the curriculum (a no-op for a shuffle)
+    stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
+    sampler.update(drawn.problem[::G], stats["pass_rate"].tolist())
     return batch, drawn, rounds
 
 
@@ -578,9 +584,13 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
         if cfg.is_correction != "off":  # R2: correct for sampling from vLLM's q rather than pi_old
             cap = cfg.is_cap if cfg.is_correction == "token" else cfg.is_seq_cap
             is_weights, is_metrics = sampler_is_weights(old, sampler_lp, mask, cap=cap,
-                                                        level=cfg.is_correction, action=cfg.is_mode)
+                                                        level=cfg.is_correction, action=cfg.is_mode,
+                                                        floor=cfg.is_floor)
+        behaviour = old  # pi_old of the ratio
+        if cfg.old_logprobs == "sampler":  # R8: the ratio against the policy that sampled, q
+            behaviour = sampler_lp
         loss, mb_metrics = grpo_loss(
-            lp, old, ub.advantages[mb], mask,
+            lp, behaviour, ub.advantages[mb], mask,
             ref_logprobs=passes.ref[mb, :T] if passes.ref is not None else None,
             beta=state.beta,
             entropy=entropy,
@@ -619,9 +629,11 @@ def optimizer_step(optimizer, params, loss, grad_clip):
 
 
 def add_token_weighted(sums, metrics):
-    """Add a micro-batch's token-mean metrics to running sums, weighted by its token count."""
+    """Add a micro-batch's token-mean metrics to running sums, weighted by its token count (counts,
+    num_tokens and rows*, add as they are)."""
     for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + (v * metrics["num_tokens"] if k != "num_tokens" else v)
+        count = k == "num_tokens" or k.startswith("rows")
+        sums[k] = sums.get(k, 0.0) + (v if count else v * metrics["num_tokens"])
 
 
 def count_nonfinite(stepped, state, cfg, loss, grad_norm):
@@ -708,15 +720,26 @@ def evaluate_all(engine, eval_sets, cfg, sampled=True):
     return metrics, texts
 
 
+def eval_is_due(cfg, step):
+    """M2 before this step's update: every eval_every steps (step 0: the base model); the last one
+    comes after the last update, in end_step."""
+    return bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.max_steps - 1
+
+
 def eval_due(engine, eval_sets, cfg, step):
-    """M2 before the step's update every eval_every steps (step 0: the base model); the last one
-    comes in end_step."""
-    if not cfg.eval_every or step % cfg.eval_every or step >= cfg.max_steps - 1:
+    """M2's metrics before this step's update, where eval_is_due; else {}."""
+    if not eval_is_due(cfg, step):
         return {}
     start = time.perf_counter()
     # greedy only unless asked: the in-run evals draw the curve, the final one is full
     metrics = evaluate_all(engine, eval_sets, cfg, sampled=cfg.eval_in_run_sampled)[0]
     return {**metrics, "eval/updates": step, "time/eval": time.perf_counter() - start}
+
+
+def wake_and_evaluate(engine, policy, eval_sets, cfg):
+    """M2 on the policy as it is now: pushed into the engine, every eval set; their metrics."""
+    engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
+    return evaluate_all(engine, eval_sets, cfg)[0]
 
 
 def eval_only(cfg, engine, policy, eval_sets):
@@ -737,15 +760,14 @@ def eval_only(cfg, engine, policy, eval_sets):
     print(f"weights {results['weights']}: every metric and a few examples appended to {path}")
 
 
-def end_step(cfg, step, metrics, t_step, engine, policy, eval_sets, logger, save):
-    """M2 after the last update, the log line (written before the checkpoint, so a resume never
-    loses it), the checkpoint when one is due. Returns the checkpoint's seconds (logged next
-    step)."""
+def end_step(cfg, step, metrics, t_step, final_eval, logger, save):
+    """M2 after the last update (final_eval()), the log line (written before the checkpoint, so a
+    resume never loses it), the checkpoint when one is due. Returns the checkpoint's seconds
+    (logged next step)."""
     last = step == cfg.max_steps - 1
     if last:
         t0 = time.perf_counter()
-        engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
-        metrics.update(evaluate_all(engine, eval_sets, cfg)[0])
+        metrics.update(final_eval())
         metrics["eval/updates"] = step + 1
         metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
     metrics["time/step"] = time.perf_counter() - t_step
@@ -775,15 +797,23 @@ def main(argv, wrap_engine=lambda engine: engine):
     state = TrainState(beta=cfg.beta, run_id=f"{random.Random().getrandbits(64):016x}")
     if resume_from:
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
-    engine, engine_name = make_engine(cfg, path, device, policy, tokenizer)
-    engine = wrap_engine(engine)
+    if cfg.async_rollouts and not cfg.eval_only:  # R8: a sampler process makes the rollouts
+        rollouts = AsyncRollouts(cfg, path, device, policy, sampler, state.step,
+                                 load_pending(resume_from))
+        engine_name, final_eval = f"{cfg.engine} in a sampler process", rollouts.final_eval
+        extra = rollouts.checkpoint_files  # the batches made for the steps after a checkpoint
+    else:
+        engine, engine_name = make_engine(cfg, path, device, policy, tokenizer)
+        engine = wrap_engine(engine)
+        final_eval = functools.partial(wake_and_evaluate, engine, policy, eval_sets, cfg)
+        extra = None
     if cfg.eval_only:
         eval_only(cfg, engine, policy, eval_sets)
         return policy
     logger = Logger(cfg, state.run_id) if parallel.rank() == 0 else None
     # save() writes a checkpoint of the run as it stands when called (state is one object)
     save = functools.partial(save_checkpoint, cfg, policy, ref, tokenizer, optimizer, sampler,
-                             state)
+                             state, extra=extra)
     G = cfg.group_size
     checkpoint_seconds = 0.0
     next_parity_warning = 0
@@ -791,26 +821,28 @@ def main(argv, wrap_engine=lambda engine: engine):
           f"ranks {parallel.world()}, steps {state.step}..{cfg.max_steps}")
 
     for step in range(state.step, cfg.max_steps):
-        t_step, times = time.perf_counter(), {}
-        # ---- wake the engine, push the policy into it (R1, R2); eval every eval_every steps (M2)
-        with timed(times, "time/push"):
-            engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))  # weights, push, KV cache
-        memory = {"mem/after_wake_gb": memory_gb()}
-        evals = eval_due(engine, eval_sets, cfg, step)
+        t_step, times, memory = time.perf_counter(), {}, {}
         temperature = temperature_at(step, cfg)
+        if cfg.async_rollouts:  # R8: made meanwhile by the sampler process, with older weights
+            batch, drawn, rounds, evals = rollouts.next(step, times)
+        else:
+            # ---- wake the engine, push the policy into it (R1, R2); eval every eval_every steps
+            with timed(times, "time/push"):
+                engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))  # weights, push, KV
+            memory["mem/after_wake_gb"] = memory_gb()
+            evals = eval_due(engine, eval_sets, cfg, step)  # M2
 
-        # ---- sample prompts, generate G completions each, score them; R7 refills
-        batch, drawn, rounds = collect_rollouts(engine, sampler, train, cfg, step, temperature,
-                                                times)
+            # ---- sample prompts, generate G completions each, score them; R7 refills; D2
+            batch, drawn, rounds = collect_rollouts(engine, sampler, train, cfg, step,
+                                                    temperature, times)
 
-        # ---- put the engine to sleep: its GPU memory goes to the update (R1)
-        with timed(times, "time/sleep"):
-            engine.sleep()
-        memory["mem/after_sleep_gb"] = memory_gb()
+            # ---- put the engine to sleep: its GPU memory goes to the update (R1)
+            with timed(times, "time/sleep"):
+                engine.sleep()
+            memory["mem/after_sleep_gb"] = memory_gb()
 
-        # ---- group statistics of every group drawn (A4), which also feed the curriculum (D2)
+        # ---- group statistics of every group drawn (A4)
         stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
-        sampler.update(drawn.problem[::G], stats["pass_rate"].tolist())  # no-op for a shuffle
         metrics = log.rollout_metrics(step, drawn, stats, batch, rounds, state.beta, temperature,
                                       cfg)
         metrics.update({**times, **memory, **evals})
@@ -819,9 +851,10 @@ def main(argv, wrap_engine=lambda engine: engine):
                 print(f"step {step}: no group with a reward spread after {rounds} refill rounds; "
                       "skipping the update")
             state.step = step + 1
+            if cfg.async_rollouts:  # R8: the sampler waits for this version's tag
+                rollouts.push(policy, state.step)
             metrics["skipped_empty_batch"] = 1
-            checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, eval_sets,
-                                          logger, save)
+            checkpoint_seconds = end_step(cfg, step, metrics, t_step, final_eval, logger, save)
             continue
 
         # ---- advantages against each prompt's group (A1-A3): GRPO's replacement for a critic
@@ -845,6 +878,8 @@ def main(argv, wrap_engine=lambda engine: engine):
         if cfg.ref_refresh_steps and (step + 1) % cfg.ref_refresh_steps == 0:  # F1: catch up
             ref.load_state_dict(policy.state_dict())  # under FSDP2: shard to shard
         state.step = step + 1
+        if cfg.async_rollouts:  # R8: the new weights to the sampler, for the batches to come
+            rollouts.push(policy, state.step)
 
         # ---- log (M1) and check parity (R2); adaptive KL (F2); sample dumps (W6)
         metrics.update(log.step_metrics(update, ub, lr))
@@ -854,8 +889,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         dump_samples(cfg, step, batch, advantages, train_problems, tokenizer)
 
         # ---- eval after the last update (M2), the log line, checkpoint
-        checkpoint_seconds = end_step(cfg, step, metrics, t_step, engine, policy, eval_sets,
-                                      logger, save)
+        checkpoint_seconds = end_step(cfg, step, metrics, t_step, final_eval, logger, save)
     return policy
 
 

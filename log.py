@@ -107,6 +107,9 @@ def dump_samples(cfg, step, batch, advantages, problems, tokenizer):
                 "reward": batch.rewards[r].item(), "advantage": advantages[r].item(),
                 "length": len(c.completion_ids),
                 "completion_ids": c.completion_ids,  # what TRL-style reward functions got (replay)
+                # R8: the weights it was sampled with, in updates
+                **({"policy_version": batch.policy_version}
+                   if batch.policy_version is not None else {}),
                 "components": {k: v[r].item() for k, v in batch.components.items()},
                 **({"turns": turns(c, tokenizer), "tool_errors": c.tool_errors}
                    if c.mask is not None else {})}) + "\n")
@@ -236,6 +239,8 @@ def step_metrics(update, ub, lr):
               "is_weight_mean", "is_limited_frac", "dual_clip_frac", "pg_token_frac"):
         if k in sums:
             out[k] = sums[k] / n_tok
+    if sums.get("rows"):  # R2, R8: completions is_mode="mask" left no token of
+        out["is_masked_rows"] = sums["rows_masked"] / sums["rows"]
     out["sampler_logprob_diff_mean"] = None
     out["sampler_logprob_diff_max"] = None
     # R2 over the tokens compared (the computed rows'), not the batch's: idle rows have no pass
@@ -256,7 +261,9 @@ def step_metrics(update, ub, lr):
 def warn_on_parity(metrics, cfg, step, next_warning):
     """R2: warn, at most every 10 steps, when the sampler's logprobs stray from the trainer's."""
     gap = metrics["sampler_logprob_diff_mean"]
-    if gap is None or gap <= cfg.parity_warn_eff or step < next_warning:
+    # R8: a batch made with older weights differs by its staleness too: on-policy batches only
+    if gap is None or metrics.get("staleness", 0) > 0 or gap <= cfg.parity_warn_eff \
+            or step < next_warning:
         return next_warning
     print(f"warning: step {step}: sampler vs trainer logprob gap {gap:.2e} > "
           f"{cfg.parity_warn_eff} (parity_warn, {cfg.dtype}); usual causes: stale weights (a push "

@@ -243,23 +243,28 @@ def token_logprobs(logits, tokens, temperature=1.0):
 
 
 def sampler_is_weights(old_logprobs, sampler_logprobs, mask, *, level="token", action="truncate",
-                       cap=2.0):
-    """Importance weights for sampling from the engine's q instead of the trainer's pi_old (R2).
+                       cap=2.0, floor=0.0):
+    """Importance weights for sampling from the engine's q instead of the trainer's pi_old (R2, R8).
 
     vLLM and the trainer compute slightly different probabilities for the same weights (kernels,
-    dtypes), so the tokens are samples of q, not of pi_old. With rho_t = pi_old(t) / q(t):
+    dtypes), and with async_rollouts (R8) q is a policy some updates old: the tokens are samples of
+    q, not of pi_old. With rho_t = pi_old(t) / q(t), and the band [floor, cap]:
       level "token":    one weight per token, rho_t
       level "sequence": one weight per completion, the product prod_t rho_t (the true sequence
-                        ratio: no geometric mean, so `cap` is a bound on the product itself)
-      action "truncate": w = min(rho, cap)   (truncated IS, TIS)
-      action "mask":     w = 1[rho <= cap]    (the token or completion leaves the loss)
-    As TRL's vllm_importance_sampling_mode (token/sequence x truncate/mask) and verl's rollout
-    correction. Only large rho is limited, as in TRL: rho < 1 already weighs a token down.
+                        ratio: no geometric mean, so the band bounds the product itself)
+      action "truncate": w = clamp(rho, floor, cap)   (truncated IS, TIS; floor 0: min(rho, cap))
+      action "mask":     w = 1[floor <= rho <= cap]   (the token, or the whole completion, leaves
+                         the loss: IcePop's band at token level, sequence masking at row level)
+    As TRL's vllm_importance_sampling_mode (token/sequence x truncate/mask, clip_min and clip_max)
+    and verl's rollout correction. floor 0 limits only large rho, TRL's default: rho < 1 already
+    weighs a token down.
     old_logprobs, sampler_logprobs, mask: (B, T). Returns (weights (B, T), metrics), weights
-    detached and 0 off the mask; is_limited_frac is the share of tokens (or of completions) limited.
+    detached and 0 off the mask. is_limited_frac: the share of tokens (or of completions) outside
+    the band; rows_masked / rows: completions the mask left no token of, and all completions.
 
     Example: pi_old = 0.5, q = 0.25 -> rho = 2; token/truncate with cap 1.5 -> 1.5; token/mask -> 0.
-    Sequence: two tokens with rho 2 and 2 -> rho = 4; cap 3: truncate -> 3, mask -> 0.
+    Sequence: two tokens with rho 2 and 2 -> rho = 4; cap 3: truncate -> 3, mask -> 0. Band
+    [0.5, 2]: rho 0.25 -> 0.5 (truncate), 0 (mask).
     """
     mask = mask.bool()
     log_rho = torch.where(mask, old_logprobs.detach() - sampler_logprobs, 0.0)  # (B, T)
@@ -268,19 +273,22 @@ def sampler_is_weights(old_logprobs, sampler_logprobs, mask, *, level="token", a
     elif level != "token":
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
     rho = torch.exp(log_rho)
-    over = rho > cap  # (B, T) or (B, 1)
+    outside = (rho > cap) | (rho < floor)  # (B, T) or (B, 1)
     if action == "truncate":
-        weights = rho.clamp(max=cap)
+        weights = rho.clamp(min=floor, max=cap)
     elif action == "mask":
-        weights = (~over).to(rho.dtype)
+        weights = (~outside).to(rho.dtype)
     else:
         raise ValueError(f"action must be 'truncate' or 'mask', got {action!r}")
     weights = torch.where(mask, weights.expand_as(mask), 0.0)
     n = max(mask.sum().item(), 1)
     # tokens, or non-empty completions
     counted = mask if level == "token" else mask.any(1, keepdim=True)
-    frac = (over & counted).sum().item() / max(counted.sum().item(), 1)
-    return weights, {"is_weight_mean": weights.sum().item() / n, "is_limited_frac": frac}
+    frac = (outside & counted).sum().item() / max(counted.sum().item(), 1)
+    rows = mask.any(1)
+    masked = rows & ~(weights > 0).any(1)
+    return weights, {"is_weight_mean": weights.sum().item() / n, "is_limited_frac": frac,
+                     "rows_masked": masked.sum().item(), "rows": rows.sum().item()}
 
 
 # ---------------------------------------------------------------- adaptive KL (F2) and LR (O1)

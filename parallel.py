@@ -89,6 +89,15 @@ def my_slice(items):
     return items[rank() * k : (rank() + 1) * k]
 
 
+def broadcast_object(obj):
+    """Rank 0's object (any picklable value) on every rank."""
+    if not launched:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_sum(x):
     """Sum of a number over ranks, as a float."""
     if not launched:
