@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 import parallel
+from log import timed
 from model import push_weights_iter
 
 
@@ -52,10 +53,21 @@ class Made:
     sampler_state: dict  # the prompt sampler's state after this step's draws and update
 
 
-class AsyncRollouts:
-    """The trainer's end: next(step) gives a step's Made, push(policy, version) sends weights."""
+@dataclass
+class Phases:
+    """grpo.py's functions the sampler runs (passed in, by reference: grpo imports this module)."""
 
-    def __init__(self, cfg, path, device, policy, sampler, start, pending=()):
+    collect: object  # collect_rollouts
+    eval_is_due: object
+    eval_due: object
+    evaluate_all: object
+    temperature_at: object
+
+
+class AsyncRollouts:
+    """The trainer's end: next(step) gives a step's rollouts, push(policy, version) the weights."""
+
+    def __init__(self, cfg, path, device, policy, sampler, start, phases, pending=()):
         self.cfg, self.sampler, self.slots = cfg, sampler, cfg.max_staleness + 1
         self.pending = deque(pending)  # from a checkpoint: made before it, for the steps after it
         self.taken = start - 1  # the last step whose rollouts the trainer took
@@ -73,7 +85,7 @@ class AsyncRollouts:
         # not a daemon: its reward workers are its children; ended at exit (close), or with us
         self.process = ctx.Process(target=sampler_main, name="grpo-sampler", args=(
             cfg_items(cfg), path, sampler_device(cfg, device), self.ring, self.tags, self.layout,
-            child, first, state, os.getpid()))
+            child, first, state, phases, os.getpid()))
         self.process.start()
         child.close()
         atexit.register(self.close)  # before multiprocessing's own exit hook joins it
@@ -194,23 +206,23 @@ def load_version(engine, ring, tags, layout, version, slots):
     engine.wake(iter(pairs))
 
 
-def sampler_main(items, path, device, ring, tags, layout, conn, first, sampler_state, parent):
+def sampler_main(items, path, device, ring, tags, layout, conn, first, sampler_state, phases,
+                 parent):
     """The sampler process: for each step from `first`, wait for the weights it needs, make the
     step's rollouts as the plain loop's collect phase does, send them; then the final eval."""
     import sandbox
 
     sandbox.die_with_parent(parent)  # kill -9 of the trainer ends the sampler too
     try:
-        run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_state)
+        run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_state, phases)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
 
 
-def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_state):
+def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_state, phases):
     from transformers import AutoTokenizer
 
-    import grpo
     import sandbox
     from config import Config, derive
     from evals import load_eval_tasks
@@ -247,23 +259,23 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
             time.sleep(0.002)
         times["time/sampler_idle"] = time.perf_counter() - start
         if loaded != version:
-            with grpo.timed(times, "time/push"):
+            with timed(times, "time/push"):
                 load_version(engine, ring, tags, layout, version, slots)
             loaded = version
 
     for step in range(first, cfg.max_steps):
         times = {}
         # an eval step's eval (and batch) on its own weights; the other batches max_staleness old
-        due = grpo.eval_is_due(cfg, step)
+        due = phases.eval_is_due(cfg, step)
         version = step if due else max(0, step - cfg.max_staleness)
         weights(version, times)
-        evals = grpo.eval_due(engine, eval_sets, cfg, step)
-        batch, drawn, rounds = grpo.collect_rollouts(engine, sampler, train, cfg, step,
-                                                     grpo.temperature_at(step, cfg), times)
-        with grpo.timed(times, "time/sleep"):
+        evals = phases.eval_due(engine, eval_sets, cfg, step)
+        batch, drawn, rounds = phases.collect(engine, sampler, train, cfg, step,
+                                              phases.temperature_at(step, cfg), times)
+        with timed(times, "time/sleep"):
             engine.sleep()
         conn.send(("made", Made(step, version, batch, drawn, rounds, times, evals,
                                 sampler.state_dict())))
     times = {}
     weights(cfg.max_steps, times)  # the final eval, on the last update's weights
-    conn.send(("final", grpo.evaluate_all(engine, eval_sets, cfg)[0]))
+    conn.send(("final", phases.evaluate_all(engine, eval_sets, cfg)[0]))

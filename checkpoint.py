@@ -310,7 +310,9 @@ RUN_SETTINGS = (
     "adv_baseline", "adv_scale", "adv_std_floor", "adv_zero_std_groups", "adv_clip",
     "clip_eps", "clip_eps_high", "loss_agg", "ratio_level", "policy_loss", "dual_clip",
     "sapo_tau_pos", "sapo_tau_neg", "entropy_coef", "entropy_top_quantile",
-    "is_correction", "is_mode", "is_cap", "is_seq_cap",
+    "is_correction", "is_mode", "is_cap", "is_seq_cap", "is_floor", "old_logprobs",
+    # R8: how old the weights of a batch are
+    "async_rollouts", "max_staleness",
     # the KL term (L4, F1, F2); a resume takes beta from the checkpoint: a new one would go unseen
     "beta", "kl_estimator", "ref_refresh_steps",
     "adaptive_kl", "kl_window", "kl_high", "kl_low", "kl_up", "kl_down",

@@ -598,6 +598,15 @@ def warn_misleading(cfg):
                       "exactly 1, where CISPO, SAPO, GPG and dual-clip all give GRPO's gradient; "
                       "they differ from the second step on a batch on (num_iterations > 1 or "
                       "mini_batches > 1)")
+    if cfg.async_rollouts and cfg.is_correction == "off" and cfg.old_logprobs == "recompute":
+        warnings.warn(f"async_rollouts: each batch comes from weights up to {cfg.max_staleness} "
+                      "update(s) old and nothing corrects for it (R8); set is_correction=token "
+                      "(TIS; is_mode=mask with is_floor=0.5 for IcePop's band) or sequence, or "
+                      "old_logprobs=sampler")
+    if cfg.old_logprobs == "sampler" and cfg.is_correction != "off" and cfg.is_mode == "truncate":
+        warnings.warn("old_logprobs=sampler puts q in the ratio already; a truncated IS weight "
+                      "pi_old / q on top counts the gap twice: use is_mode=mask (a band) or "
+                      "is_correction=off")
     if not LR_USUAL[0] <= cfg.lr <= LR_USUAL[1]:  # O1: an AdamW step moves each weight by ~lr
         warnings.warn(f"lr={cfg.lr:g} is far outside the usual range ({LR_USUAL[0]:g} to "
                       f"{LR_USUAL[1]:g}; 1e-6 to 1e-5 for full fine-tuning of a 1-8B model): the "

@@ -49,7 +49,7 @@ from tqdm import tqdm
 import log
 import parallel
 from advantage import group_advantages, group_stats
-from async_rollouts import AsyncRollouts, load_pending
+from async_rollouts import AsyncRollouts, Phases, load_pending
 from checkpoint import TrainState, load_checkpoint, save_checkpoint
 from config import ConfigError
 from evals import eval_table, sampled_metrics
@@ -798,7 +798,8 @@ def main(argv, wrap_engine=lambda engine: engine):
     if resume_from:
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
     if cfg.async_rollouts and not cfg.eval_only:  # R8: a sampler process makes the rollouts
-        rollouts = AsyncRollouts(cfg, path, device, policy, sampler, state.step,
+        phases = Phases(collect_rollouts, eval_is_due, eval_due, evaluate_all, temperature_at)
+        rollouts = AsyncRollouts(cfg, path, device, policy, sampler, state.step, phases,
                                  load_pending(resume_from))
         engine_name, final_eval = f"{cfg.engine} in a sampler process", rollouts.final_eval
         extra = rollouts.checkpoint_files  # the batches made for the steps after a checkpoint

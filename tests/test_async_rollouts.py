@@ -123,14 +123,18 @@ def test_a_sampler_that_dies_stops_the_trainer_saying_so(tmp_path):
 def test_a_sampler_that_raises_stops_the_trainer_with_its_traceback(tmp_path):
     """An error in the sampler process (here: a model folder it cannot read) reaches the trainer
     as the sampler's own traceback, at the trainer's first wait for a batch."""
-    from async_rollouts import AsyncRollouts
+    import grpo
+    from async_rollouts import AsyncRollouts, Phases
     from config import load_config
     from data.sampler import PromptSampler
 
     cfg = load_config(overrides=["--model=tiny", "--engine=hf", "--async_rollouts=true",
                                  f"--out_dir={tmp_path}", "--task=digits"])
     missing = str(tmp_path / "no_model_here")
-    rollouts = AsyncRollouts(cfg, missing, "cpu", torch.nn.Linear(2, 2), PromptSampler(10, 0), 0)
+    phases = Phases(grpo.collect_rollouts, grpo.eval_is_due, grpo.eval_due, grpo.evaluate_all,
+                    grpo.temperature_at)
+    rollouts = AsyncRollouts(cfg, missing, "cpu", torch.nn.Linear(2, 2), PromptSampler(10, 0), 0,
+                             phases)
     try:
         with pytest.raises(RuntimeError, match="(?s)the sampler process failed:.*no_model_here"):
             rollouts.next(0, {})

@@ -248,6 +248,8 @@ def test_ref_refresh_needs_a_reference():
         (["--top_p=0.9"], "renormalised over the kept tokens"),
         (["--top_k=20"], "renormalised over the kept tokens"),
         (["--lr=1e10"], r"lr=1e\+10 is far outside the usual range"),
+        (["--async_rollouts=true"], "nothing corrects for it"),
+        (["--old_logprobs=sampler", "--is_correction=token"], "counts the gap twice"),
         (["--lr=1e-12"], "far outside the usual range"),
     ],
 )
@@ -300,6 +302,8 @@ def test_is_correction_settings():
         ("--out_dir=", "out_dir is empty"),
         ("--seed=18446744073709551617", r"seed=18446744073709551617 must be in 0..2\*\*63-1"),
         ("--seed=-1", "seed=-1 must be in"), ("--data_seed=-3", "data_seed=-3 must be in"),
+        ("--max_staleness=0", "max_staleness=0 must be >= 1"), ("--is_floor=1.5", "is_floor=1.5"),
+        ("--old_logprobs=behaviour", "old_logprobs='behaviour'; choose one of"),
     ],
 )
 def test_settings_that_would_fail_late_fail_in_validation(override, message):

@@ -147,7 +147,8 @@ def test_a_planted_cycle_is_found_and_named(tmp_path, file, code, cycle):
     found = find_cycle(graph)
     assert found is not None and found[0] == found[-1] and len(found) >= 3
     assert all(b in graph[a] for a, b in zip(found, found[1:]))  # each step a real import
-    assert found == cycle if cycle else file[:-3].replace("/", ".") in found
+    # through the planted import, from whichever module the search met the cycle first
+    assert set(cycle) <= set(found) if cycle else file[:-3].replace("/", ".") in found
     with pytest.raises(AssertionError, match="import cycle: " + " -> ".join(found)):
         check_no_cycle(graph)
 
