@@ -25,6 +25,7 @@ is_correction with is_floor and is_cap: TIS, IcePop's band, sequence masking; lo
 """
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -82,11 +83,14 @@ class AsyncRollouts:
         self.conn, child = ctx.Pipe(duplex=False)
         first = start + len(self.pending)  # the first step the sampler makes
         state = self.pending[-1].sampler_state if self.pending else sampler.state_dict()
+        where = sampler_device(cfg, device)
+        env = split_cores() if where == "cpu" else {}
         # not a daemon: its reward workers are its children; ended at exit (close), or with us
         self.process = ctx.Process(target=sampler_main, name="grpo-sampler", args=(
-            cfg_items(cfg), path, sampler_device(cfg, device), self.ring, self.tags, self.layout,
-            child, first, state, phases, os.getpid()))
-        self.process.start()
+            cfg_items(cfg), path, where, self.ring, self.tags, self.layout, child, first, state,
+            phases, os.getpid()))
+        with environment(env):  # the sampler's threads, set before its torch and vLLM start
+            self.process.start()
         child.close()
         atexit.register(self.close)  # before multiprocessing's own exit hook joins it
 
@@ -182,6 +186,36 @@ def cfg_items(cfg):
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
 
 
+def split_cores():
+    """On a CPU: this process keeps the first half of the cores, the sampler gets the rest, each
+    side's threads pinned to its own and waiting passively (a spinning idle thread of one side
+    would take the other's core). Returns the sampler's environment."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return {}
+    mine, theirs = cores[: (len(cores) + 1) // 2], cores[(len(cores) + 1) // 2 :]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    return {"OMP_NUM_THREADS": str(len(theirs)), "OMP_WAIT_POLICY": "PASSIVE",
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, theirs)),
+            "GRPO_SAMPLER_CORES": ",".join(map(str, theirs))}
+
+
+@contextlib.contextmanager
+def environment(values):
+    """os.environ with these values inside the block (a spawned process starts with them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def sampler_device(cfg, device):
     """The sampler's device: on a GPU the one after the trainer's ranks (pre-flight checks that it
     exists); on a CPU the CPU."""
@@ -233,8 +267,10 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
 
     cfg = derive(Config(**items))
     sandbox.ALLOWED = cfg.sandbox
-    if device == "cpu":  # the CPU's cores shared: the trainer keeps the other half
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    if os.environ.get("GRPO_SAMPLER_CORES"):  # on a CPU, the cores split_cores gave it
+        cores = [int(c) for c in os.environ["GRPO_SAMPLER_CORES"].split(",")]
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
     tokenizer, model = AutoTokenizer.from_pretrained(path), None
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # as load_policy does
     if (auto_engine() if cfg.engine == "auto" else cfg.engine) == "hf":  # its own policy copy
