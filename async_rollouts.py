@@ -224,8 +224,9 @@ def sampler_device(cfg, device):
     return "cpu"
 
 
-def load_version(engine, ring, tags, layout, version, slots):
-    """Push the weights after `version` updates, from the ring, into the sampler's engine."""
+def load_version(engine, model, ring, tags, layout, version, slots):
+    """The weights after `version` updates, from the ring, into the sampler's engine: pushed into
+    vLLM, or copied into the HF engine's own policy (model)."""
     slot = ring[version % slots]
     if int(tags[version % slots]) != version:
         raise RuntimeError(f"weights version {version} is not in the ring (it holds "
@@ -237,7 +238,10 @@ def load_version(engine, ring, tags, layout, version, slots):
             n *= d
         pairs.append((name, slot[offset : offset + n].view(shape)))
         offset += n
-    engine.wake(iter(pairs))
+    if model is not None:  # the HF engine samples from this copy: its wake pushes nothing
+        model.load_state_dict(dict(pairs))
+    else:
+        engine.wake(iter(pairs))
 
 
 def sampler_main(items, path, device, ring, tags, layout, conn, first, sampler_state, phases,
@@ -296,7 +300,7 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
         times["time/sampler_idle"] = time.perf_counter() - start
         if loaded != version:
             with timed(times, "time/push"):
-                load_version(engine, ring, tags, layout, version, slots)
+                load_version(engine, model, ring, tags, layout, version, slots)
             loaded = version
 
     for step in range(first, cfg.max_steps):
