@@ -61,6 +61,18 @@ def test_batch_t_is_made_with_the_weights_after_t_minus_staleness_updates(tmp_pa
     metrics = read_jsonl(evals / "metrics.jsonl")
     assert [m["staleness"] for m in metrics] == [0, 1, 0, 1]  # steps 0 and 2: on-policy evals
     assert [m.get("eval/updates") for m in metrics] == [0, None, 2, 4]
+    # the sampler holds the trainer's very weights where a batch is on-policy (fp32 both sides),
+    # and one update's worth of difference where it is a step behind (lr 2e-2 moves them)
+    gaps = [m["sampler_logprob_diff_max"] for m in metrics]
+    assert gaps[0] < 1e-3 and gaps[2] < 1e-3 and gaps[1] > 1e-2 and gaps[3] > 1e-2, gaps
+
+
+def test_an_async_run_learns_one_step_behind_the_plain_one(tmp_path):
+    """The tiny run's reward climbs with the sampler a batch ahead too (from ~0.05 to ~0.9 in 20
+    steps, a step or two behind the plain run)."""
+    run(tmp_path, *ASYNC)
+    rewards = [m["reward"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.5, rewards
 
 
 def test_a_kill_9_mid_run_then_resume_is_the_straight_run(tmp_path):
