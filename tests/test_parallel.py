@@ -313,3 +313,20 @@ def test_hf_engine_under_fsdp_decodes_until_every_rank_is_done(tmp_path):
 
 if __name__ == "__main__":  # torchrun tests/test_parallel.py OUT_DIR: the worker of the test above
     decode_on_two_ranks(sys.argv[1])
+
+
+def test_two_ranks_with_an_async_sampler_match_one_process(tmp_path):
+    """R8 under torchrun: rank 0's sampler makes the global batch, every rank trains on its share
+    of the groups, rank 0 pushes the gathered weights: the same run as one process with the
+    sampler (samples, losses, the weights it ends with)."""
+    extra = ["--async_rollouts=true", "--is_correction=token"]
+    run(tmp_path / "one", 1, *extra)
+    run(tmp_path / "two", 2, "--parallel=fsdp", *extra)
+    one, two = (read_jsonl(tmp_path / r / "metrics.jsonl") for r in ("one", "two"))
+    assert [m["staleness"] for m in two] == [0, 1, 1]
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"] and a["tokens"] == b["tokens"]
+        for key in ("loss", "kl", "grad_norm", "is_weight_mean"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
+    last = [tmp_path / r / "ckpt_000003" for r in ("one", "two")]
+    assert max_weight_diff(*last) < 1e-5
