@@ -1,7 +1,8 @@
 """R8: the sampler in a process of its own, generating up to max_staleness batches ahead (optional).
 
-    python grpo.py --async_rollouts=true                 # on a CPU: a process and half the cores
-    torchrun --nproc_per_node=N grpo.py --config ... --async_rollouts=true   # GPU N: the sampler's
+    python grpo.py --async_rollouts=true --is_correction=token   # a CPU: a process, half the cores
+    torchrun --nproc_per_node=N grpo.py --config ... --async_rollouts=true --is_correction=token
+                                                             # N + 1 GPUs: GPU N is the sampler's
 
 The plain loop wakes its engine, generates batch t with the policy after t updates, sleeps it and
 updates. Here a second process owns the engine (vLLM, or its own copy of the policy for the HF
@@ -21,7 +22,8 @@ a resume goes on with them, so a killed and resumed run is the straight one. The
 the trainer; a sampler that fails stops the trainer with its traceback.
 
 How far off-policy a batch is, and what corrects it, is the loss's business (old_logprobs,
-is_correction with is_floor and is_cap: TIS, IcePop's band, sequence masking; loss.py).
+is_correction with is_floor and is_cap: TIS, IcePop's band, sequence masking; loss.py): uncorrected,
+the default run one update behind barely learned (docs/performance.md).
 """
 
 import atexit
@@ -269,7 +271,8 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
     from prepare import Split, eval_split, make_engine, make_sampler
     from task import load_problems, load_task, tokenize_prompts
 
-    cfg = derive(Config(**items))
+    # its device is its own: no sleep mode (nothing else needs the memory between batches)
+    cfg = derive(Config(**{**items, "vllm_sleep_level": 0}))
     sandbox.ALLOWED = cfg.sandbox
     if os.environ.get("GRPO_SAMPLER_CORES"):  # on a CPU, the cores split_cores gave it
         cores = [int(c) for c in os.environ["GRPO_SAMPLER_CORES"].split(",")]
@@ -312,8 +315,6 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
         evals = phases.eval_due(engine, eval_sets, cfg, step)
         batch, drawn, rounds = phases.collect(engine, sampler, train, cfg, step,
                                               phases.temperature_at(step, cfg), times)
-        with timed(times, "time/sleep"):
-            engine.sleep()
         conn.send(("made", Made(step, version, batch, drawn, rounds, times, evals,
                                 sampler.state_dict())))
     times = {}

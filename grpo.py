@@ -16,6 +16,10 @@ Each step, as main() runs it, one named function a phase:
     adapt_beta           the KL weight follows the measured KL (F2)
     end_step             log (M1), eval (M2), checkpoint
 
+With async_rollouts (R8) a sampler process runs the first three, a batch ahead with weights an
+update older (async_rollouts.py); the trainer takes the batch and pushes its weights after each
+update.
+
 Where this departs from the GRPO paper (each is a setting in config.py):
  1. Loss averaged over all response tokens of the batch (token-mean, L2) rather than per sequence
     first; the paper's seq-mean and Dr. GRPO's constant normaliser are options.
