@@ -28,12 +28,12 @@ the default run one update behind barely learned (docs/performance.md).
 
 import atexit
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
@@ -42,7 +42,7 @@ from log import timed
 from model import push_weights_iter
 
 
-@dataclass
+@dataclasses.dataclass
 class Made:
     """One step's rollouts as the sampler made them (what the plain loop's collect phase gives)."""
 
@@ -56,7 +56,7 @@ class Made:
     sampler_state: dict  # the prompt sampler's state after this step's draws and update
 
 
-@dataclass
+@dataclasses.dataclass
 class Phases:
     """grpo.py's functions the sampler runs (passed in, by reference: grpo imports this module)."""
 
@@ -158,7 +158,7 @@ class AsyncRollouts:
         ahead = min(self.cfg.max_staleness, self.cfg.max_steps - 1 - self.taken)  # short of the end
         while parallel.rank() == 0 and len(self.pending) < ahead:
             self.pending.append(self.receive()[1])
-        return {"rollouts.pt": list(self.pending)}
+        return {"rollouts.pt": [stored(made) for made in self.pending]}
 
     def final_eval(self):
         """M2 after the last update, made by the sampler on those weights (rank 0's, to all)."""
@@ -175,16 +175,28 @@ class AsyncRollouts:
         self.process.join(5)
 
 
-def load_pending(folder):
-    """The batches a checkpoint holds for the steps after it (rollouts.pt), or none."""
+def stored(made):
+    """A Made as rollouts.pt keeps it: its two Rollouts as dicts of their fields. grpo.py runs as
+    __main__, so a pickled Rollouts would load only in a process that runs grpo.py as __main__."""
+    def fields(rollouts):
+        return {f.name: getattr(rollouts, f.name) for f in dataclasses.fields(rollouts)}
+
+    return dataclasses.replace(made, batch=fields(made.batch), drawn=fields(made.drawn))
+
+
+def load_pending(folder, rollouts_class):
+    """The batches a checkpoint holds for the steps after it (rollouts.pt), or none; rollouts_class:
+    grpo.Rollouts, to rebuild them with."""
     path = os.path.join(folder, "rollouts.pt") if folder else ""
-    return torch.load(path, weights_only=False) if os.path.exists(path) else []
+    if not os.path.exists(path):
+        return []
+    return [dataclasses.replace(made, batch=rollouts_class(**made.batch),
+                                drawn=rollouts_class(**made.drawn))
+            for made in torch.load(path, weights_only=False)]
 
 
 def cfg_items(cfg):
     """The settings as plain values, for the sampler process to rebuild its Config."""
-    import dataclasses
-
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
 
 

@@ -804,7 +804,7 @@ def main(argv, wrap_engine=lambda engine: engine):
     if cfg.async_rollouts and not cfg.eval_only:  # R8: a sampler process makes the rollouts
         phases = Phases(collect_rollouts, eval_is_due, eval_due, evaluate_all, temperature_at)
         rollouts = AsyncRollouts(cfg, path, device, policy, sampler, state.step, phases,
-                                 load_pending(resume_from))
+                                 load_pending(resume_from, Rollouts))
         engine_name, final_eval = f"{cfg.engine} in a sampler process", rollouts.final_eval
         extra = rollouts.checkpoint_files  # the batches made for the steps after a checkpoint
     else:

@@ -421,7 +421,8 @@ def test_sampler_is_weights_hand_worked():
     mask = torch.tensor([[1, 1, 0]])
     w, m = sampler_is_weights(old, sampler, mask, level="token", action="truncate", cap=1.5)
     assert w.tolist()[0] == pytest.approx([1.5, 1.0, 0.0])  # rho = [2, 1], capped at 1.5
-    assert m == {"is_weight_mean": pytest.approx(1.25), "is_limited_frac": 0.5}
+    assert m == {"is_weight_mean": pytest.approx(1.25), "is_limited_frac": 0.5,
+                 "rows": 1, "rows_masked": 0}
     w, m = sampler_is_weights(old, sampler, mask, level="token", action="mask", cap=1.5)
     # rho 2 > 1.5 leaves the loss
     assert w.tolist()[0] == [0.0, 1.0, 0.0] and m["is_limited_frac"] == 0.5
@@ -432,6 +433,7 @@ def test_sampler_is_weights_hand_worked():
     assert w.tolist()[0] == pytest.approx([2.0, 2.0, 0.0]) and m["is_limited_frac"] == 0.0
     w, m = sampler_is_weights(old, sampler, mask, level="sequence", action="mask", cap=1.5)
     assert w.tolist()[0] == [0.0, 0.0, 0.0] and m["is_limited_frac"] == 1.0
+    assert m["rows_masked"] == 1  # the mask left no token of the completion
     w, _ = sampler_is_weights(old, sampler, mask, level="sequence", action="mask", cap=3.0)
     assert w.tolist()[0] == [1.0, 1.0, 0.0]
 
