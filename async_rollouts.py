@@ -296,8 +296,8 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
         plain = Config(**{**items, "lora_rank": 0, "gradient_checkpointing": False})
         tokenizer, model = load_policy(derive(plain), path, device)  # LoRA comes pushed merged
         model.eval().requires_grad_(False)
-    engine, _ = make_engine(cfg, path, device, model, tokenizer)
     task = load_task(cfg)
+    engine, _ = make_engine(cfg, path, device, model, tokenizer, task)
     problems = {split: load_problems(cfg, task, split) for split in ("train", "test")}
     train, test = (Split(task, problems[s], tokenize_prompts(tokenizer, task, problems[s],
                                                               cfg.max_prompt_len))

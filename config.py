@@ -126,6 +126,11 @@ class Config:
     tool_error_penalty: float = 0.0  # minus this per failed call (raised, timeout, killed); 0 = off
     sandbox: str = "full"  # the weakest sandbox accepted (sandbox.py); else the run does not start
 
+    # ---- episodes: a task file's environment(problem) or TOOLS (environment.py) ----
+    max_turns: int = 4  # model turns per episode; the environment answers each but the last
+    env_reward: str = "sum"  # an episode's reward: its turns' rewards summed, or the "last" one's
+    env_timeout: float = 5.0  # seconds one environment (or tool) call may run; past it, an error
+
     # ---- advantages (A1-A3) ----
     adv_baseline: str = "mean"  # A1: "mean" of the group (GRPO) | "leave-one-out": others' (RLOO)
     adv_scale: str = "group"  # A1: / std of the "group", of the "batch" (TRL), or "none" (Dr. GRPO)
@@ -530,6 +535,10 @@ def validate(cfg):
          "close not inside the open (generation stops at the close), e.g. <python> and </python>")
     need(cfg.tool_timeout > 0, f"tool_timeout={cfg.tool_timeout} must be > 0 seconds (a call past "
                                "it is killed); 5 is usual")
+    need(cfg.max_turns >= 1, f"max_turns={cfg.max_turns}: an episode has at least one model turn")
+    need(cfg.env_reward in ("sum", "last"), f"env_reward={cfg.env_reward!r}: 'sum' (the turns' "
+                                             "rewards added) or 'last' (the last turn's)")
+    need(cfg.env_timeout > 0, f"env_timeout={cfg.env_timeout} must be > 0 seconds")
     warn_misleading(cfg)
     longest = cfg.max_prompt_len + cfg.max_completion_len
     need(cfg.micro_batch_tokens >= longest,

@@ -89,7 +89,7 @@ def sampled_metrics(test, sampled, cfg):
     texts = [c.text for c in flat]
     problems = [p for p in test.problems for _ in range(n)]
     _, comps = score(test.task, texts, problems, [len(c.completion_ids) for c in flat], cfg,
-                     [c.completion_ids for c in flat])
+                     [c.completion_ids for c in flat], [c.env_rewards for c in flat])
     correct = comps.get("correct", torch.zeros(len(flat))).view(-1, n)  # (problems, n)
     right = (correct >= 1).int().tolist()
     out = {f"avg@{n}": correct.mean().item(), "mean_correct_sampled": correct.mean().item()}

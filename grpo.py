@@ -34,8 +34,9 @@ Where this departs from the GRPO paper (each is a setting in config.py):
     shaping are off by default.
 
 Read second: prepare.py (setting up a run), evals.py (pass@k, maj@n, eval sets), log.py (metrics),
-and the optional machinery, one setting each: tools.py (tools), perf/ (each prompt once, chunked
-and fused logprobs, the CPU settings).
+and the optional machinery, one setting each: tools.py (tools), environment.py (a task file's
+environment or TOOLS: rollouts in turns), perf/ (each prompt once, chunked and fused logprobs, the
+CPU settings).
 """
 
 import functools
@@ -63,7 +64,7 @@ from model import push_weights_iter, sequence_logprobs
 from perf import shared_prompt
 from prepare import Split, build_models, eval_split, make_engine, make_sampler, prepare_run
 from rollout import derive_seed
-from task import score, tokenize_prompts
+from task import multi_turn, score, tokenize_prompts
 
 # ---------------------------------------------------------------- seeds
 
@@ -204,7 +205,8 @@ def generate_and_score(engine, train, idx, seeds, cfg, temperature):
         groups = engine.generate(prompts, cfg.group_size, seeds=seeds, temperature=temperature,
                                  top_p=cfg.top_p, top_k=cfg.top_k,
                                  max_tokens=cfg.max_completion_len, stop=train.task.stop or None,
-                                 progress=sys.stdout.isatty())  # a progress bar on a terminal
+                                 progress=sys.stdout.isatty(),  # a progress bar on a terminal
+                                 task=train.task, problems=[train.problems[i] for i in idx])
     except FloatingPointError as e:  # the HF engine's logits (rollout.sample_next)
         raise diverged(cfg, str(e)) from None
     # cheap, and a silent mix-up would be costly
@@ -219,7 +221,8 @@ def generate_and_score(engine, train, idx, seeds, cfg, temperature):
     start = time.perf_counter()
     rewards, components = score(train.task, [c.text for c in completions],
                                 [train.problems[i] for i in problem], lengths, cfg,
-                                [c.completion_ids for c in completions])
+                                [c.completion_ids for c in completions],
+                                [c.env_rewards for c in completions])
     score_seconds = time.perf_counter() - start
     tool_errors = torch.tensor([float(c.tool_errors) for c in completions])
     # a failed call costs a little: the model learns to write code that runs
@@ -295,7 +298,7 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
     elif cfg.drop_zero_std_groups:  # R7's filter without the refill: the batch may come out smaller
         batch = batch.groups(informative_groups(batch.rewards, G), G)
     times["time/score"] = batch.score_seconds
-    if cfg.tools:  # the sandboxed calls, inside the turns of generation
+    if multi_turn(cfg, train.task):  # the tool or environment calls, inside generation's turns
         times["time/tools"] = batch.tool_seconds
     spent = time.perf_counter() - t0
     times["time/generate"] = spent - times["time/score"] - times.get("time/tools", 0.0)
@@ -685,12 +688,14 @@ def evaluate(engine, test, cfg, seed, sampled=True):
     stream = (seed, "eval", test.name) if test.name else (seed, "eval")
     seeds = row_seeds(stream, 0, len(prompts), n)
     bar = sys.stdout.isatty()  # a progress bar on a terminal
+    made_of = {"task": test.task, "problems": test.problems}  # an environment's episodes need them
     greedy = engine.generate(prompts, 1, seeds=seeds[::n], temperature=0.0, top_p=1.0, top_k=-1,
-                             max_tokens=cfg.max_completion_len, stop=stop, progress=bar)
+                             max_tokens=cfg.max_completion_len, stop=stop, progress=bar, **made_of)
     texts = [g[0].text for g in greedy]
     lengths = [len(g[0].completion_ids) for g in greedy]
     rewards, comps = score(test.task, texts, test.problems, lengths, cfg,
-                           [g[0].completion_ids for g in greedy])
+                           [g[0].completion_ids for g in greedy],
+                           [g[0].env_rewards for g in greedy])
     out = {"reward": log.scored(rewards).mean().item()}
     if "correct" in comps:
         out["pass@1_greedy"] = (comps["correct"] >= 1).float().mean().item()
@@ -698,14 +703,14 @@ def evaluate(engine, test, cfg, seed, sampled=True):
     if sampled:  # n samples per problem: 4 to 100 times the greedy pass's cost
         rows = engine.generate(prompts, n, seeds=seeds, temperature=cfg.temperature,
                                top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
-                               stop=stop, progress=bar)
+                               stop=stop, progress=bar, **made_of)
         if "correct" in comps:
             out.update(sampled_metrics(test, rows, cfg))
     for name in ("format", "parsed"):
         if name in comps:
             out[name] = comps[name].mean().item()
     out["response_length"] = sum(lengths) / len(greedy)
-    if cfg.tools:  # the greedy answers that called the tool
+    if multi_turn(cfg, test.task):  # the greedy answers that called the tool (or environment)
         out["tools/share_using"] = sum(g[0].tool_calls > 0 for g in greedy) / len(greedy)
     prefix = f"eval/{test.name}/" if test.name else "eval/"
     return {prefix + k: v for k, v in out.items()}, texts
@@ -808,7 +813,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         engine_name, final_eval = f"{cfg.engine} in a sampler process", rollouts.final_eval
         extra = rollouts.checkpoint_files  # the batches made for the steps after a checkpoint
     else:
-        engine, engine_name = make_engine(cfg, path, device, policy, tokenizer)
+        engine, engine_name = make_engine(cfg, path, device, policy, tokenizer, task)
         engine = wrap_engine(engine)
         final_eval = functools.partial(wake_and_evaluate, engine, policy, eval_sets, cfg)
         extra = None
@@ -849,7 +854,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         # ---- group statistics of every group drawn (A4)
         stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
         metrics = log.rollout_metrics(step, drawn, stats, batch, rounds, state.beta, temperature,
-                                      cfg)
+                                      cfg, multi_turn(cfg, train.task))
         metrics.update({**times, **memory, **evals})
         if parallel.all_sum(len(batch)) == 0:  # R7's filter dropped every group: nothing to train
             if cfg.dynamic_sampling:  # without refills a step like this is no surprise late on

@@ -180,8 +180,9 @@ def mean_of(components, name):
     return components[name].mean().item() if name in components else None
 
 
-def rollout_metrics(step, drawn, stats, batch, rounds, beta, temperature, cfg):
-    """M1 and A4 over every rollout drawn this step (all ranks); with R7, the kept batch's too."""
+def rollout_metrics(step, drawn, stats, batch, rounds, beta, temperature, cfg, turns=False):
+    """M1 and A4 over every rollout drawn this step (all ranks); with R7, the kept batch's too.
+    turns: rollouts have turns (task.multi_turn); tools/ counts a tool call or environment turn."""
     comps = drawn.components
     out = {
         "step": step,
@@ -201,7 +202,7 @@ def rollout_metrics(step, drawn, stats, batch, rounds, beta, temperature, cfg):
         "effective_group_ratio": stats["effective_group_ratio"],
         "frac_reward_zero_std": stats["frac_reward_zero_std"],
     }
-    if cfg.tools:  # multi-turn rollouts: how much the model uses the tool, and how well
+    if turns:  # multi-turn rollouts: how much the model uses the tool, and how well
         calls = drawn.tool_calls.sum().item()
         out["tools/calls_per_completion"] = calls / len(drawn)
         out["tools/error_rate"] = drawn.tool_errors.sum().item() / calls if calls else None

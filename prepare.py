@@ -18,6 +18,7 @@ import parallel
 from checkpoint import claim_out_dir
 from config import ConfigError, config_from_argv, save_config
 from data.sampler import CurriculumSampler, PromptSampler
+from environment import EpisodeEngine
 from evals import load_eval_tasks
 from log import output_to
 from model import load_policy, load_reference, model_path
@@ -124,8 +125,9 @@ def make_sampler(cfg, num_prompts):
     return PromptSampler(num_prompts, cfg.seed)
 
 
-def make_engine(cfg, path, device, policy, tokenizer):
-    """The sampling engine (R1): vLLM colocated, or the policy itself; wrapped for tool calls."""
+def make_engine(cfg, path, device, policy, tokenizer, task=None):
+    """The sampling engine (R1): vLLM colocated, or the policy itself; wrapped for tool calls, or
+    for the task's episodes."""
     # vLLM's start-up output (warnings about Triton, NUMA, thread binding) goes to a file, not the
     # console; it is printed if the start fails
     name = auto_engine() if cfg.engine == "auto" else cfg.engine  # auto: vLLM if it imports
@@ -141,4 +143,6 @@ def make_engine(cfg, path, device, policy, tokenizer):
                                 max_output=cfg.tool_output_chars)
         engine = ToolEngine(engine, tokenizer, cfg.max_tool_calls, run,
                             (cfg.tool_open, cfg.tool_close))
+    if task is not None and (task.environment or task.tools):  # an environment answers each turn
+        engine = EpisodeEngine(engine, tokenizer, cfg.max_turns, cfg.env_timeout, cfg.env_reward)
     return engine, name

@@ -124,7 +124,7 @@ def countdown_reward(text, numbers, target):
 # ---------------------------------------------------------------- math (W1)
 
 # math-verify warns, once per process, that its own (signal.alarm) timeouts are off; a reward worker
-# is a new process every batch, and _within bounds each check instead
+# is a new process every batch, and `within` bounds each check instead
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 MATH_TIMEOUT = 5.0  # s for one answer's whole check (both parses, the comparison); past it, wrong
@@ -245,17 +245,17 @@ def _copied(given, question):
     return bool(re.search(r"[-+*/^=<>\\]", got)) and got in _compact(question)
 
 
-class _OutOfTime(BaseException):
+class OutOfTime(BaseException):
     """Raised inside a check past its deadline. A BaseException: math-verify and sympy catch
     Exception everywhere, and must not swallow it."""
 
 
 def _out_of_time(*_):
-    raise _OutOfTime
+    raise OutOfTime
 
 
-def _within(seconds, fn, *args):
-    """fn(*args), or _OutOfTime once `seconds` have passed. Neither way can stop one long C call (a
+def within(seconds, fn, *args):
+    """fn(*args), or OutOfTime once `seconds` have passed. Neither way can stop one long C call (a
     huge integer power): _too_big keeps those out.
 
     In the main thread (a reward worker's, or reward_timeout=0) a SIGALRM timer, free while it runs;
@@ -282,12 +282,12 @@ def _within(seconds, fn, *args):
 
 
 def _traced_within(seconds, fn, *args):
-    """_within off the main thread: the clock checked at every Python call."""
+    """within off the main thread: the clock checked at every Python call."""
     deadline = time.monotonic() + seconds
 
     def check(frame, event, arg):
         if time.monotonic() > deadline:
-            raise _OutOfTime
+            raise OutOfTime
 
     old = sys.gettrace()
     sys.settrace(check)
@@ -406,8 +406,8 @@ def math_equal(given, answer, question="", timeout=MATH_TIMEOUT):
         warm_math_verify()
     try:
         # a plain number as math-verify reads it best: 11,\\!111 is 11111, not the set {11, 111}
-        return _within(timeout, _judge, given if got is None else str(got), gold)
-    except (_OutOfTime, Exception):  # math-verify catches its own errors; this, ours on odd parses
+        return within(timeout, _judge, given if got is None else str(got), gold)
+    except (OutOfTime, Exception):  # math-verify catches its own errors; this, ours on odd parses
         return False
 
 

@@ -37,6 +37,9 @@ class Completion:
     tool_calls: int = 0  # tool calls run
     tool_errors: int = 0  # of those, the ones that raised, timed out or were killed
     tool_seconds: float = 0.0  # wall time of its tool calls
+    # an environment's episode (environment.py): its rewards {name: value}, or why it failed
+    # ("error", "timeout", "wrong type"); None without an environment
+    env_rewards: object = None
 
 
 def derive_seed(*key):
@@ -105,9 +108,10 @@ class VLLMEngine:
         self.asleep = False
 
     def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None,
-                 progress=False):
+                 progress=False, task=None, problems=None):
         """n completions per prompt; seeds: one per row (prompt-major); max_tokens: one budget, or
-        one per prompt; stop: strings that end a completion (kept in it), plus the stop tokens."""
+        one per prompt; stop: strings that end a completion (kept in it), plus the stop tokens.
+        task, problems: what the prompts were made from (environment.EpisodeEngine needs them)."""
         from vllm import SamplingParams
         check_seeds(prompts, n, seeds)
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
@@ -187,7 +191,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts, n, *, seeds, temperature, top_p, top_k, max_tokens, stop=None,
-                 progress=False):
+                 progress=False, task=None, problems=None):
         """As VLLMEngine.generate."""
         check_seeds(prompts, n, seeds)
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)

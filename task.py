@@ -40,6 +40,11 @@ and may define:
                                     alike: a base model stops at its answer, not max_completion_len
     answer(completion, problem)     the completion's final answer as a normalised string, or None:
                                     the eval's maj@n votes on it (quick: it runs in the trainer)
+    environment(problem)            an environment the model acts in over several turns, its
+                                    rewards the task's (reward() is then optional); environment.py
+    TOOLS = [fn, ...]               functions the model calls through its chat template's tool
+                                    calls, their results coming back as tool messages;
+                                    environment.py
 
 Instead of reward(), a task file may give TRL's reward functions, which then work unchanged:
 
@@ -88,6 +93,7 @@ from dataclasses import dataclass, field
 import sandbox
 from config import Config, ConfigError, config_from_argv, load_saved
 from data.files import is_data_path, load_rows
+from environment import python as run_code_tool
 from rewards import extract_answer, score_batch
 
 TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
@@ -114,12 +120,20 @@ class Task:
     correct: str = ""  # CORRECT: the function whose score is also the component "correct"
     stop: list = field(default_factory=list)  # STOP: strings that end a completion, kept in it
     answer: object = None  # answer(completion, problem): the final answer maj@n votes on, or None
+    # multi-turn episodes (environment.py): environment(problem), or TOOLS' plain functions
+    environment: object = None
+    tools: list = field(default_factory=list)
 
     def close(self):
         """End the sandboxed processes of EXECUTES_TEXT's rewards (they die with this one too)."""
         for f in [self.reward, *self.reward_funcs]:
             if isinstance(f, sandbox.Scorer):
                 f.close()
+
+
+def multi_turn(cfg, task):
+    """A rollout has turns: tools=True's calls, or the task's environment or TOOLS."""
+    return cfg.tools or task.environment is not None or bool(task.tools)
 
 
 def builtin_tasks():
@@ -160,11 +174,16 @@ def load_task(cfg):
     module = import_file(path)
     data_path = cfg.data_path or (cfg.task if is_data_path(cfg.task) else "")
     trl = hasattr(module, "reward_funcs")
+    environment = getattr(module, "environment", None)
+    if environment is not None and not (callable(environment) and binds(environment, 1)):
+        raise ConfigError(f"task file {path}: environment must be a function environment(problem) "
+                          "returning an object with reset() and step(action) (environment.py)")
     for name, signature in (("prompt", "prompt(problem)"),
                             ("reward", "reward(completion, problem)"),
                             ("problems", "problems(split, n, seed)")):
-        if (name == "problems" and data_path) or (name == "reward" and trl):
-            continue  # the problems come from the dataset; the reward from reward_funcs
+        if (name == "problems" and data_path) or (name == "reward" and (trl or environment)):
+            continue  # the problems come from the dataset; the reward from reward_funcs, or the
+            # environment's own
         if not callable(getattr(module, name, None)):
             hint = " (or set data_path to a dataset)" if name == "problems" else ""
             raise ConfigError(f"task file {path} defines no function {signature}{hint}")
@@ -198,6 +217,17 @@ def load_task(cfg):
                           "problem) returning the final answer as a string, or None")
     if trl:
         extras.update(reward_funcs_extras(module, path, cfg))
+    extras["environment"], extras["tools"] = environment, getattr(module, "TOOLS", [])
+    if not isinstance(extras["tools"], list) or not all(map(callable, extras["tools"])):
+        raise ConfigError(f"task file {path}: TOOLS must be a list of functions")
+    if environment and extras["tools"]:
+        raise ConfigError(f"task file {path}: an environment and TOOLS both; give the tools as "
+                          "the environment's own (its step() runs them)")
+    if (environment or extras["tools"]) and cfg.tools:
+        raise ConfigError(f"task file {path} has its own turns (environment or TOOLS); tools=True "
+                          "adds the text protocol's: leave tools off")
+    if run_code_tool in extras["tools"]:  # the model's code: the run needs the sandbox
+        extras["runs_code"] = True
     reward = getattr(module, "reward", None)
     if extras["executes_text"]:  # each reward function called in the sandbox, by its name
         reward, extras = sandboxed_rewards(module, path, cfg, reward, extras)
@@ -351,22 +381,42 @@ def json_safe(task, problems):
 
 def prompt_text(tokenizer, task, problem):
     """The text the model continues for this problem (render)."""
-    return render(tokenizer, task, task.prompt(problem))
+    return render(tokenizer, task, task.prompt(problem), problem)
 
 
-def render(tokenizer, task, p):
+def render(tokenizer, task, p, problem=None):
     """prompt()'s value as text: chat messages through the chat template, a raw string as it is;
-    then the COMPLETION_PREFIX (in a chat, the start of the assistant's turn)."""
+    then the COMPLETION_PREFIX (in a chat, the start of the assistant's turn). With an environment,
+    the text its reset() returns ends the last user message (a raw prompt: the prompt); with TOOLS,
+    the template lists them."""
+    if task.environment is not None and problem is not None:
+        try:
+            added = task.environment(problem).reset()
+        except Exception as e:
+            raise ConfigError(f"{task.where}: environment(problem {problem.get('id')!r}).reset() "
+                              f"raised {type(e).__name__}: {e}") from e
+        if added is not None and not isinstance(added, str):
+            raise ConfigError(f"{task.where}: the environment's reset() returned {added!r:.80}; "
+                              "expected None or text to end the prompt with")
+        if added and isinstance(p, str):
+            p = p + added
+        elif added:
+            p = [*p[:-1], {**p[-1], "content": p[-1]["content"] + added}]
     if isinstance(p, str):
         return p + task.completion_prefix  # R1-Zero style: a base model, no template
     if not tokenizer.chat_template:
         raise ConfigError(f"{task.where}: prompt() returned chat messages but this tokenizer has "
                           "no chat template (a base model?); return a raw string instead")
+    tools = {"tools": task.tools} if task.tools else {}
+    if tools and (tokenizer.apply_chat_template(p, tokenize=False, **tools)
+                  == tokenizer.apply_chat_template(p, tokenize=False)):
+        raise ConfigError(f"{task.where}: this model's chat template does not render tools, so "
+                          "TOOLS cannot reach the model; use tools=True's text protocol instead")
     if task.completion_prefix:  # the assistant's turn opened and begun, not closed
         opened = {"role": "assistant", "content": task.completion_prefix}
         return tokenizer.apply_chat_template([*p, opened], continue_final_message=True,
-                                             tokenize=False)
-    return tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+                                             tokenize=False, **tools)
+    return tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **tools)
 
 
 def tokenize_prompts(tokenizer, task, problems, max_prompt_len):
@@ -377,7 +427,7 @@ def tokenize_prompts(tokenizer, task, problems, max_prompt_len):
     out = []
     for problem in problems:
         p = task.prompt(problem)
-        text = render(tokenizer, task, p)
+        text = render(tokenizer, task, p, problem)
         if len(text) > 4 * (max_prompt_len + 1) * longest:
             raise ConfigError(f"prompt {problem['id']} has {len(text)} characters, more than "
                               f"max_prompt_len={max_prompt_len} tokens can hold; shorten it")
@@ -734,6 +784,8 @@ def task_rewards(task, texts, problems, timeout, workers=1, completion_ids=None,
     if task.reward_funcs:
         return run_reward_funcs(task, texts, problems, timeout, workers, completion_ids, quiet,
                                 failed)
+    if task.reward is None:  # an environment's rewards alone (score adds them)
+        return [{} for _ in texts]
     return run_rewards(task.reward, texts, problems, timeout, workers, quiet, failed)
 
 
@@ -745,13 +797,20 @@ def reward_shaping(task, cfg):
     return weights, cfg.shaping
 
 
-def score(task, texts, problems, lengths, cfg, completion_ids=None):
+def score(task, texts, problems, lengths, cfg, completion_ids=None, env_rewards=None):
     """Rewards (N,) and components {name: (N,)} of N completions: the task's reward, then the
-    shaping (W2, W3). completion_ids: their sampled token ids, for TRL's reward functions."""
+    shaping (W2, W3). completion_ids: their sampled token ids, for TRL's reward functions.
+    env_rewards: each episode's rewards from its environment (Completion.env_rewards), added to the
+    reward's components; a failed episode (a string saying why) scores 0 as a failed reward does."""
     # the reward sees the answer as the model's whole turn
     seen = [task.completion_prefix + t for t in texts]
     results = task_rewards(task, seen, problems, cfg.reward_timeout, cfg.reward_workers,
                            completion_ids)
+    for i, env in enumerate(env_rewards or []):
+        if isinstance(env, str):  # the episode failed
+            results[i] = env
+        elif env and not isinstance(results[i], str):  # the environment's names win a clash
+            results[i] = {**results[i], **env}
     weights, shape = reward_shaping(task, cfg)
     return score_batch(results, lengths, weights, **shape)
 
@@ -833,6 +892,8 @@ def audit(task_name, argv=()):
     problems = load_problems(cfg, task, "train")
     check_sandbox(cfg, task, problems)
     print(f"audit of {task.where}: {len(problems)} problems, reward_timeout={cfg.reward_timeout} s")
+    if task.reward is None and not task.reward_funcs:  # the reward is the environment's
+        return audit_environment(task, problems, cfg)
     if task.reference is None:
         print("  note: the task file defines no reference(problem): suspicious rewards go untold")
     run = Audit(task, cfg)
@@ -849,6 +910,35 @@ def audit(task_name, argv=()):
           f"{failures} failures, {len(run.findings) - failures} slow calls: "
           f"{'FAIL' if failures else 'PASS'}")
     task.close()
+    return failures
+
+
+def audit_environment(task, problems, cfg):
+    """The audit of a task whose reward is its environment's: each adversarial completion as the
+    model's first turn, in a fresh environment of each problem, under env_timeout. A failure: a
+    call that raises, hangs or returns the wrong shape, or a turn that scores "correct"."""
+    from environment import EpisodeEngine
+    from rollout import Completion
+
+    episodes = EpisodeEngine(None, None, 1, cfg.env_timeout, cfg.env_reward)
+    failures, calls = 0, 0
+    for problem in problems:
+        prompt = task.prompt(problem)
+        prompt = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        for name, text in audit_cases(prompt, None, None).items():
+            row = Completion([], [], "", [], False, env_rewards={})
+            env = episodes._call(row, task.environment, problem)
+            if isinstance(row.env_rewards, dict):
+                episodes._call(row, env.reset)
+            if isinstance(row.env_rewards, dict):
+                episodes._step(row, env, text)
+            calls += 1
+            rewards = row.env_rewards
+            if not isinstance(rewards, dict) or rewards.get("correct", 0.0) >= 1:
+                failures += 1
+                print(f"  {'scores correct' if isinstance(rewards, dict) else rewards}: problem "
+                      f"{problem['id']}, the {name} completion")
+    print(f"{calls} environment turns; {failures} failures: {'FAIL' if failures else 'PASS'}")
     return failures
 
 

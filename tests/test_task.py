@@ -79,8 +79,25 @@ def test_builtin_tasks_are_task_files(tokenizer):
         "multiply": lambda p: f"```python\nprint(1)\n```\n\n<output>\n{p['answer']}\n</output>\nIt "
                               f"is {p['answer']}.",
     }
-    assert set(known) | {"dataset", "gsm8k", "larger",
-                         "reasoning_gym"} == set(task_module.builtin_tasks())
+    # environments (environment.py): a known last turn of the model's
+    episodes = {"guess": lambda p: str(p["secret"]),
+                "calculator": lambda p: f"answer: {p['a'] * p['b']}"}
+    assert set(known) | set(episodes) | {"dataset", "gsm8k", "larger",
+                                         "reasoning_gym"} == set(task_module.builtin_tasks())
+    for name, answer in episodes.items():
+        cfg, task = setup(f"--task={name}", "--train_size=12", "--test_size=4")
+        problems = load_problems(cfg, task, "train")
+        assert len(problems) == 12 and len({p["id"] for p in problems}) == 12
+        assert isinstance(task_module.prompt_text(tokenizer, task, problems[0]), str)
+        played = []
+        for p in problems[:3]:
+            env = task.environment(p)
+            env.reset()
+            played.append(env.step(answer(p))[1])
+        texts = [answer(p) for p in problems[:3]]
+        rewards, comps = score(task, texts, problems[:3], [10] * 3, cfg, None, played)
+        assert comps["correct"].tolist() == [1.0] * 3, name
+        assert comps["errors"].tolist() == [0.0] * 3
     for name, answer in known.items():
         cfg, task = setup(f"--task={name}", "--train_size=12", "--test_size=4")
         problems = load_problems(cfg, task, "train")

@@ -1,0 +1,90 @@
+"""A calculator environment: multiply two numbers, with a calculator one turn away.
+
+    python grpo.py --task=calculator --max_turns=3
+
+The model may write `calc: 37 * 58` on a turn; the environment answers `= 2146` (a user message,
+context only: no gradient). A turn with `answer: N` ends the episode: correct 1 when N is the
+product. A turn with neither is told how to use the calculator, and scores invalid -0.2; the turns'
+rewards are summed (env_reward="sum").
+The environment evaluates arithmetic itself (numbers and + - * / only), never the model's text as
+Python.
+"""
+
+import ast
+import operator
+import random
+import re
+
+from data.split import in_split
+
+CALC = re.compile(r"calc:\s*([-+*/().\d\s]+)", re.I)
+ANSWER = re.compile(r"answer:\s*(-?\d+)", re.I)
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.Div: operator.truediv, ast.USub: operator.neg}
+
+
+def problems(split, n, seed):
+    rng, out, i = random.Random(f"calculator:{split}:{seed}"), [], 0
+    while len(out) < n:
+        key = f"calculator:{seed}:{i}"
+        if in_split(key, split):
+            out.append({"id": key, "a": rng.randint(11, 99), "b": rng.randint(11, 99)})
+        i += 1
+    return out
+
+
+def prompt(problem):
+    return [{"role": "user", "content": f"What is {problem['a']} * {problem['b']}? You have a "
+                                        "calculator: write 'calc: <expression>' and I will reply "
+                                        "with its value. When you know it, write 'answer: "
+                                        "<number>'."}]
+
+
+def arithmetic(text):
+    """The value of + - * / over numbers, from the syntax tree (no eval); ValueError otherwise."""
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Mult) and abs(left) * abs(right) > 1e12:
+                raise ValueError("too large")
+            return OPERATORS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
+            return OPERATORS[type(node.op)](value(node.operand))
+        raise ValueError("only numbers and + - * /")
+
+    if len(text) > 100:
+        raise ValueError("too long")
+    try:
+        return value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ZeroDivisionError) as e:
+        raise ValueError(str(e)) from None
+
+
+class Calculator:
+    def __init__(self, a, b):
+        self.product = a * b
+
+    def reset(self):
+        return None
+
+    def step(self, action):
+        answer = ANSWER.search(action)
+        if answer:
+            right = int(answer.group(1)) == self.product
+            return None, {"correct": float(right), "invalid": 0.0}, True
+        call = CALC.search(action)
+        if not call:
+            return ("Write 'calc: <expression>' to use the calculator, or 'answer: <number>'.",
+                    {"correct": 0.0, "invalid": -0.2}, False)
+        try:
+            result = arithmetic(call.group(1))
+            said = f"= {int(result) if float(result).is_integer() else round(result, 6)}"
+        except ValueError as e:
+            said = f"error: {e}"
+        return said, {"correct": 0.0, "invalid": 0.0}, False
+
+
+def environment(problem):
+    return Calculator(problem["a"], problem["b"])

@@ -1,0 +1,60 @@
+"""A guessing game, the environment's turn after each of the model's: find a number from 1 to 8.
+
+    python grpo.py --task=guess --max_turns=3
+
+Each turn the model writes a guess; the environment answers "Higher." or "Lower." (a user message
+through the chat template, context only: no gradient) until the guess is right or the turns run
+out. Each turn's reward, summed over the episode (env_reward="sum"): correct 1 on the turn that
+finds the number, invalid -0.2 on a turn that is not one number in range. Three turns find any
+number by halving (4, then 2 or 6, then the one left); guessing blind finds it 3 times in 8.
+"""
+
+import random
+import re
+
+from data.split import in_split
+
+LOW, HIGH = 1, 8
+
+
+def problems(split, n, seed):
+    """n games, each its own secret; a game's id decides its split, its secret follows from it."""
+    rng, out, i = random.Random(f"guess:{split}:{seed}"), [], 0
+    while len(out) < n:
+        key = f"guess:{seed}:{i}"
+        if in_split(key, split):
+            out.append({"id": key, "secret": rng.randint(LOW, HIGH)})
+        i += 1
+    return out
+
+
+def prompt(problem):
+    return [{"role": "user", "content": f"I am thinking of a whole number from {LOW} to {HIGH}. "
+                                        "Guess it: reply with one number only. After each guess "
+                                        "I will tell you if my number is higher or lower."}]
+
+
+class Game:
+    """One episode: step() takes the model's turn, answers it, and scores it."""
+
+    def __init__(self, secret):
+        self.secret = secret
+
+    def reset(self):
+        return None  # nothing to add to the prompt: the secret stays hidden
+
+    def step(self, action):
+        numbers = re.findall(r"-?\d+", action)
+        guess = int(numbers[0]) if len(numbers) == 1 else None
+        if guess is None or not LOW <= guess <= HIGH:
+            return (f"Reply with one number from {LOW} to {HIGH}.",
+                    {"correct": 0.0, "invalid": -0.2}, False)
+        if guess == self.secret:
+            return None, {"correct": 1.0, "invalid": 0.0}, True
+        said = "Higher." if self.secret > guess else "Lower."
+        return said, {"correct": 0.0, "invalid": 0.0}, False
+
+
+def environment(problem):
+    return Game(problem["secret"])
+
