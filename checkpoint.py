@@ -301,7 +301,8 @@ RUN_SETTINGS = (
     # what is sampled and which groups train (R4-R7), and what a rollout may do (tools)
     "max_completion_len", "temperature", "temperature_end", "top_p", "top_k", "mask_truncated",
     "dynamic_sampling", "dynamic_sampling_rounds", "drop_zero_std_groups",
-    "tools", "max_tool_calls", "tool_output_chars", "tool_open", "tool_close",
+    "tools", "max_tool_calls", "tool_output_chars", "tool_open", "tool_close", "max_turns",
+    "env_reward",
     # the reward (W1-W3): what is learned
     "format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "reward_weights",
     "length_soft_limit", "length_penalty", "length_penalty_tokens", "length_min",

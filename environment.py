@@ -99,7 +99,12 @@ class EpisodeEngine:
                 observation, done = self._step(row, envs[r], action)
                 if done or row.truncated or turn == self.max_turns - 1:
                     continue
-                ids = self.observation_ids(observation, out.completion_ids, chat[r // n])
+                try:  # the observation as tokens: text, or messages the template renders
+                    ids = self.observation_ids(observation, out.completion_ids, chat[r // n])
+                except Exception:
+                    self._fail(row, "wrong type", "the observation could not be rendered:\n"
+                               + traceback.format_exc())
+                    continue
                 room = max_tokens - len(row.completion_ids)
                 if len(ids) >= room:  # no room for the model to answer it: the episode is cut here
                     row.truncated = True
@@ -125,6 +130,8 @@ class EpisodeEngine:
             reward = {str(k): float(v) for k, v in reward.items()}
             if not all(map(math.isfinite, reward.values())):
                 raise ValueError(f"a reward is not finite: {reward}")
+            if set(reward) & COUNTED:
+                raise ValueError(f"{sorted(set(reward) & COUNTED)} are counts the run keeps")
             if not (observation is None or isinstance(observation, str)
                     or is_messages(observation)):
                 raise TypeError("the observation is not text, chat messages or None")
@@ -167,7 +174,9 @@ class EpisodeEngine:
         """The tokens after the model's turn: the observation, then the assistant's next turn
         opened. A chat: the template's own tokens (chat_suffix); a raw prompt: the text as it is."""
         if not chat:
-            return self.tokenizer.encode(observation or "", add_special_tokens=False)
+            if not isinstance(observation, str):
+                raise TypeError("a raw prompt's episode takes text observations, not messages")
+            return self.tokenizer.encode(observation, add_special_tokens=False)
         messages = ([{"role": "user", "content": observation}] if isinstance(observation, str)
                     else observation or [])
         ids = chat_suffix(self.tokenizer, messages)
@@ -177,6 +186,7 @@ class EpisodeEngine:
 
 
 REPORTED = set()  # the kinds of environment failure printed so far in this process
+COUNTED = {"errors", "timeouts", "unscored"}  # score_batch's own components: no reward's names
 
 
 def alive(row):
@@ -192,7 +202,8 @@ def append(row, ids, logprobs, model):
 
 def is_messages(value):
     return isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value)
 
 
 def chat_suffix(tokenizer, messages):

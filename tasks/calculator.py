@@ -4,8 +4,9 @@
 
 The model may write `calc: 37 * 58` on a turn; the environment answers `= 2146` (a user message,
 context only: no gradient). A turn with `answer: N` ends the episode: correct 1 when N is the
-product. A turn with neither is told how to use the calculator, and scores invalid -0.2; the turns'
-rewards are summed (env_reward="sum").
+product, answered 0.1 for an answer given at all. A turn with neither is told how to use the
+calculator, and costs nothing (a cost per turn would make one long turn that runs out the token
+budget pay). The turns' rewards are summed (env_reward="sum").
 The environment evaluates arithmetic itself (numbers and + - * / only), never the model's text as
 Python.
 """
@@ -73,17 +74,17 @@ class Calculator:
         answer = ANSWER.search(action)
         if answer:
             right = int(answer.group(1)) == self.product
-            return None, {"correct": float(right), "invalid": 0.0}, True
+            return None, {"correct": float(right), "answered": 0.1}, True
         call = CALC.search(action)
         if not call:
             return ("Write 'calc: <expression>' to use the calculator, or 'answer: <number>'.",
-                    {"correct": 0.0, "invalid": -0.2}, False)
+                    {"correct": 0.0, "answered": 0.0}, False)
         try:
             result = arithmetic(call.group(1))
             said = f"= {int(result) if float(result).is_integer() else round(result, 6)}"
         except ValueError as e:
             said = f"error: {e}"
-        return said, {"correct": 0.0, "invalid": 0.0}, False
+        return said, {"correct": 0.0, "answered": 0.0}, False
 
 
 def environment(problem):

@@ -18,7 +18,7 @@ import torch
 from config import ConfigError, load_config
 from environment import EpisodeEngine, ToolCalls, chat_suffix, parse_tool_calls
 from grpo import pad_batch
-from preflight import build_tiny
+from preflight import build_tiny, vllm_available
 from rollout import Completion
 from task import Task, render, score, tokenize_prompts
 
@@ -176,8 +176,19 @@ class NotFinite(Counter):
         return "more", float("nan"), False
 
 
+class TakesACount(Counter):
+    def step(self, action):
+        return "more", {"errors": -1.0}, False
+
+
+class BadMessages(Counter):
+    def step(self, action):
+        return [{"role": "user", "content": {"not": "text"}}], 0.0, False
+
+
 @pytest.mark.parametrize("env, kind", [(Raises, "error"), (Hangs, "timeout"),
-                                       (WrongType, "wrong type"), (NotFinite, "wrong type")])
+                                       (WrongType, "wrong type"), (NotFinite, "wrong type"),
+                                       (TakesACount, "wrong type"), (BadMessages, "wrong type")])
 def test_an_environment_that_fails_ends_its_episode_with_a_counted_error(tokenizer, env, kind,
                                                                         capsys):
     """The episode ends at the failed call, the row scores 0 and is counted in reward/errors; the
@@ -248,6 +259,13 @@ def test_a_raw_prompt_gets_the_observation_as_plain_text(tokenizer):
     [row], _ = episodes(tokenizer, task, [[f"a{EOS}", f"b{EOS}"]])
     assert row.completion_ids == (encode(tokenizer, f"a{EOS}") + encode(tokenizer, "\nmore: ")
                                   + encode(tokenizer, f"b{EOS}"))
+    # messages have no template to go through here: the episode fails, the run goes on
+    [row], _ = episodes(tokenizer, task_with(Counter, prompt=lambda p: "Count:"),
+                        [[f"a{EOS}", f"b{EOS}", f"c{EOS}"]])
+    assert row.env_rewards["env"] == 2.0  # "more" is text: fine
+    [row], _ = episodes(tokenizer, task_with(BadMessages, prompt=lambda p: "Count:"),
+                        [[f"a{EOS}", f"b{EOS}"]])
+    assert row.env_rewards == "wrong type"
 
 
 # ---------------------------------------------------------------- chat-template tool calls
@@ -354,12 +372,16 @@ def test_the_guess_game_answers_higher_or_lower_and_scores_each_turn():
         sys.path.pop(0)
     game = guess.environment({"id": "g", "secret": 6})
     assert game.reset() is None
-    assert game.step("4") == ("Higher.", {"correct": 0.0, "invalid": 0.0}, False)
-    assert game.step("I think 7") == ("Lower.", {"correct": 0.0, "invalid": 0.0}, False)
+    assert game.step("4") == ("Higher.", {"correct": 0.0, "valid": 0.1}, False)
+    assert game.step("6") == (None, {"correct": 1.0, "valid": 0.2}, True)  # one guess to spare
     for wrong in ("5 or 6", "9", "no idea"):  # two numbers, out of range, none: not a guess
+        game.reset()
         obs, rewards, done = game.step(wrong)
-        assert "one number" in obs and rewards == {"correct": 0.0, "invalid": -0.2} and not done
-    assert game.step("6") == (None, {"correct": 1.0, "invalid": 0.0}, True)
+        assert "one number" in obs and rewards == {"correct": 0.0, "valid": 0.0} and not done
+    game.reset()
+    assert [game.step(g)[1:] for g in ("1", "I think 7", "2")] == [
+        ({"correct": 0.0, "valid": 0.1}, False), ({"correct": 0.0, "valid": 0.1}, False),
+        ({"correct": 0.0, "valid": 0.1}, True)]  # three guesses: the game is over
     train = guess.problems("train", 50, 0)
     assert {p["secret"] for p in train} == set(range(1, 9))
     assert not {p["id"] for p in train} & {p["id"] for p in guess.problems("test", 50, 0)}
@@ -372,16 +394,16 @@ def test_the_calculator_answers_arithmetic_and_never_runs_the_text():
     finally:
         sys.path.pop(0)
     env = calculator.environment({"id": "c", "a": 37, "b": 58})
-    assert env.step("Let me see. calc: 37 * 58") == ("= 2146", {"correct": 0.0, "invalid": 0.0},
+    assert env.step("Let me see. calc: 37 * 58") == ("= 2146", {"correct": 0.0, "answered": 0.0},
                                                      False)
     assert env.step("calc: 7 / 2")[0] == "= 3.5"
     assert env.step("calc: __import__('os')")[0].startswith("error:")  # not arithmetic
     assert env.step("calc: 9 ** 9")[0].startswith("error:")  # ** is not offered
     assert env.step("calc: 1 / 0")[0].startswith("error:")
     assert "Write 'calc:" in env.step("I do not know")[0]
-    assert env.step("answer: 2146") == (None, {"correct": 1.0, "invalid": 0.0}, True)
-    assert env.step("answer: 2147")[1] == {"correct": 0.0, "invalid": 0.0}
-    assert env.step("hmm")[1] == {"correct": 0.0, "invalid": -0.2}
+    assert env.step("answer: 2146") == (None, {"correct": 1.0, "answered": 0.1}, True)
+    assert env.step("answer: 2147")[1] == {"correct": 0.0, "answered": 0.1}
+    assert env.step("hmm")[1] == {"correct": 0.0, "answered": 0.0}
 
 
 def command(out_dir, *args):
@@ -399,16 +421,32 @@ def run(out_dir, *args):
     return proc.stdout
 
 
+def game_file(tmp_path):
+    """The guess game with a model turn ending at a space: the random model's turns are short."""
+    game = tmp_path / "game.py"
+    game.write_text("from tasks.guess import environment, problems, prompt\nSTOP = [' ']\n")
+    return game
+
+
+@pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"),
+                    reason="vllm not installed")
+def test_episodes_on_vllm(tmp_path):
+    """The same game on vLLM: the environment answers, its tokens are masked, the parity holds."""
+    run(tmp_path / "vllm", f"--task={game_file(tmp_path)}", "--engine=vllm", "--max_steps=2")
+    samples = [json.loads(line) for line in open(tmp_path / "vllm" / "samples.jsonl")]
+    assert any(len(s["turns"]) > 1 for s in samples)
+    metrics = [json.loads(line) for line in open(tmp_path / "vllm" / "metrics.jsonl")]
+    assert all(m["tools/calls_per_completion"] > 0 and m["sampler_logprob_diff_max"] < 1e-3
+               for m in metrics)
+
+
 @pytest.mark.slow
 def test_a_guess_game_run_resumes_exactly(tmp_path):
     """The tiny model on the guessing game (several turns a row), 4 steps straight, and 2 steps then
     resumed to 4: the same samples, turns and metrics."""
     from dev.compare_runs import compare
 
-    # the guess game, a model turn ending at a space: the random model's turns are short
-    game = tmp_path / "game.py"
-    game.write_text("from tasks.guess import environment, problems, prompt\n"
-                    "STOP = [' ']\n")
+    game = game_file(tmp_path)
     run(tmp_path / "straight", f"--task={game}")
     out = tmp_path / "resumed"
     proc = subprocess.Popen(command(out, f"--task={game}"), stdout=subprocess.DEVNULL,
