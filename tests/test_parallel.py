@@ -330,3 +330,21 @@ def test_two_ranks_with_an_async_sampler_match_one_process(tmp_path):
             assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
     last = [tmp_path / r / "ckpt_000003" for r in ("one", "two")]
     assert max_weight_diff(*last) < 1e-5
+
+
+def test_two_ranks_play_an_environment_as_one_process(tmp_path):
+    """Episodes under torchrun: each rank plays its rows' turns, the ranks turn in lockstep (FSDP's
+    HF engine), and the run is one process's: the same rewards, turns and losses."""
+    game = tmp_path / "game.py"  # the guess game, a model turn ending at a space (short turns)
+    game.write_text("from tasks.guess import environment, problems, prompt\nSTOP = [' ']\n")
+    extra = [f"--task={game}", "--max_turns=3", "--max_prompt_len=128",
+             "--max_completion_len=64", "--micro_batch_tokens=256"]
+    run(tmp_path / "one", 1, *extra)
+    run(tmp_path / "two", 2, "--parallel=fsdp", *extra)
+    one, two = (read_jsonl(tmp_path / r / "metrics.jsonl") for r in ("one", "two"))
+    assert all(m["tools/calls_per_completion"] > 0 for m in one)  # the environment answered
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"] and a["tokens"] == b["tokens"]
+        assert a["tools/calls_per_completion"] == b["tools/calls_per_completion"]
+        for key in ("loss", "kl", "grad_norm"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
