@@ -385,6 +385,16 @@ def decode(x, handle=None):
         [decode(v, handle) for v in items])
 """
 
+# Both processes start alike: the job from stdin, their own stdin/stdout/stderr to /dev/null (the
+# pipes stay theirs, duplicated), the job's resource limits
+JOB = r"""inp, out = os.fdopen(os.dup(0)), os.fdopen(os.dup(1), "w")
+job = json.loads(inp.readline())
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0); os.dup2(null, 1); os.dup2(null, 2)
+for name, limit in job["limits"].items():
+    resource.setrlimit(getattr(resource, name), (limit, limit))
+"""
+
 # The solution's process. It runs the model's code, then answers requests, one JSON line each:
 # the value of a name, a call, an attribute, an item, the items of an iterable, a {call} test's
 # expression. It sees the arguments of the calls (the tests' inputs) and nothing else: no expected
@@ -392,13 +402,7 @@ def decode(x, handle=None):
 # generator): the tests' process can call it, take its attributes or items, or list it.
 SOLUTION = PLAIN + r"""
 import builtins, io, itertools, json, os, resource, sys
-inp, out = os.fdopen(os.dup(0)), os.fdopen(os.dup(1), "w")
-job = json.loads(inp.readline())
-null = os.open(os.devnull, os.O_RDWR)
-os.dup2(null, 0); os.dup2(null, 1); os.dup2(null, 2)
-for name, limit in job["limits"].items():
-    resource.setrlimit(getattr(resource, name), (limit, limit))
-code, handles = job.pop("code"), []
+""" + JOB + r"""code, handles = job.pop("code"), []
 def keep(x):
     handles.append(x); return len(handles) - 1
 def run(stdin=""):
@@ -465,13 +469,7 @@ os._exit(0)
 # cannot be compared, hashed or tested for truth: only plain values can pass a test.
 TESTS = PLAIN + r"""
 import builtins, importlib, json, os, resource, sys
-inp, out = os.fdopen(os.dup(0)), os.fdopen(os.dup(1), "w")
-job = json.loads(inp.readline())
-null = os.open(os.devnull, os.O_RDWR)
-os.dup2(null, 0); os.dup2(null, 1); os.dup2(null, 2)
-for name, limit in job["limits"].items():
-    resource.setrlimit(getattr(resource, name), (limit, limit))
-def ask(**req):
+""" + JOB + r"""def ask(**req):
     out.write(json.dumps({"ask": req}) + "\n"); out.flush()
     reply = json.loads(inp.readline())
     if "raise" in reply:
