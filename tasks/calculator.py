@@ -4,9 +4,9 @@
 
 The model may write `calc: 37 * 58` on a turn; the environment answers `= 2146` (a user message,
 context only: no gradient). A turn with `answer: N` ends the episode: correct 1 when N is the
-product, answered 0.1 for an answer given at all. A turn with neither is told how to use the
-calculator, and costs nothing (a cost per turn would make one long turn that runs out the token
-budget pay). The turns' rewards are summed (env_reward="sum").
+product. The first calculation that gives a value earns calculated 0.1, once an episode. A turn
+with neither is told how to use the calculator, and costs nothing (a cost per turn would make one
+long turn that runs out the token budget pay). The turns' rewards are summed (env_reward="sum").
 The environment evaluates arithmetic itself (numbers and + - * / only), never the model's text as
 Python.
 """
@@ -36,9 +36,9 @@ def problems(split, n, seed):
 
 def prompt(problem):
     return [{"role": "user", "content": f"What is {problem['a']} * {problem['b']}? You have a "
-                                        "calculator: write 'calc: <expression>' and I will reply "
-                                        "with its value. When you know it, write 'answer: "
-                                        "<number>'."}]
+                                        "calculator: write a line like 'calc: 12 * 34' and I "
+                                        "will reply with its value. Then write 'answer: <number>'."
+             }]
 
 
 def arithmetic(text):
@@ -65,26 +65,28 @@ def arithmetic(text):
 
 class Calculator:
     def __init__(self, a, b):
-        self.product = a * b
+        self.product, self.calculated = a * b, False
 
     def reset(self):
+        self.calculated = False
         return None
 
     def step(self, action):
         answer = ANSWER.search(action)
         if answer:
             right = int(answer.group(1)) == self.product
-            return None, {"correct": float(right), "answered": 0.1}, True
+            return None, {"correct": float(right), "calculated": 0.0}, True
         call = CALC.search(action)
         if not call:
             return ("Write 'calc: <expression>' to use the calculator, or 'answer: <number>'.",
-                    {"correct": 0.0, "answered": 0.0}, False)
+                    {"correct": 0.0, "calculated": 0.0}, False)
         try:
             result = arithmetic(call.group(1))
-            said = f"= {int(result) if float(result).is_integer() else round(result, 6)}"
         except ValueError as e:
-            said = f"error: {e}"
-        return said, {"correct": 0.0, "answered": 0.0}, False
+            return f"error: {e}", {"correct": 0.0, "calculated": 0.0}, False
+        first, self.calculated = not self.calculated, True
+        said = f"= {int(result) if float(result).is_integer() else round(result, 6)}"
+        return said, {"correct": 0.0, "calculated": 0.1 * first}, False
 
 
 def environment(problem):

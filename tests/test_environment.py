@@ -394,16 +394,20 @@ def test_the_calculator_answers_arithmetic_and_never_runs_the_text():
     finally:
         sys.path.pop(0)
     env = calculator.environment({"id": "c", "a": 37, "b": 58})
-    assert env.step("Let me see. calc: 37 * 58") == ("= 2146", {"correct": 0.0, "answered": 0.0},
-                                                     False)
-    assert env.step("calc: 7 / 2")[0] == "= 3.5"
+    assert env.reset() is None
+    none, once = {"correct": 0.0, "calculated": 0.0}, {"correct": 0.0, "calculated": 0.1}
+    assert env.step("Let me see. calc: 37 * 58") == ("= 2146", once, False)
+    assert env.step("calc: 7 / 2") == ("= 3.5", none, False)  # the bonus comes once
     assert env.step("calc: __import__('os')")[0].startswith("error:")  # not arithmetic
     assert env.step("calc: 9 ** 9")[0].startswith("error:")  # ** is not offered
     assert env.step("calc: 1 / 0")[0].startswith("error:")
-    assert "Write 'calc:" in env.step("I do not know")[0]
-    assert env.step("answer: 2146") == (None, {"correct": 1.0, "answered": 0.1}, True)
-    assert env.step("answer: 2147")[1] == {"correct": 0.0, "answered": 0.1}
-    assert env.step("hmm")[1] == {"correct": 0.0, "answered": 0.0}
+    assert env.step("I do not know") == (
+        "Write 'calc: <expression>' to use the calculator, or 'answer: <number>'.", none, False)
+    assert env.step("answer: 2146") == (None, {"correct": 1.0, "calculated": 0.0}, True)
+    assert env.step("answer: 2147")[1] == none
+    env.reset()
+    assert env.step("calc: 1 / 0")[1] == none  # no value, no bonus
+    assert env.step("calc: 2 * 3")[1] == once
 
 
 def command(out_dir, *args):
