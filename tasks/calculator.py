@@ -4,7 +4,8 @@
 
 The model may write `calc: 37 * 58` on a turn; the environment answers `= 2146` (a user message,
 context only: no gradient). A turn with `answer: N` ends the episode: correct 1 when N is the
-product. The first calculation that gives a value earns calculated 0.1, once an episode. A turn
+product. The first calculation whose value is the product earns calculated 0.1, once an episode
+(any value would pay for copying the prompt's example, `calc: 12 * 34`). A turn
 with neither is told how to use the calculator, and costs nothing (a cost per turn would make one
 long turn that runs out the token budget pay). The turns' rewards are summed (env_reward="sum").
 The environment evaluates arithmetic itself (numbers and + - * / only), never the model's text as
@@ -36,9 +37,9 @@ def problems(split, n, seed):
 
 def prompt(problem):
     return [{"role": "user", "content": f"What is {problem['a']} * {problem['b']}? You have a "
-                                        "calculator: write a line like 'calc: 12 * 34' and I "
-                                        "will reply with its value. Then write 'answer: <number>'."
-             }]
+                                        "calculator: write a line like 'calc: 12 * 34' with your "
+                                        "numbers, and I will reply with its value. Then write "
+                                        "'answer: <number>'."}]
 
 
 def arithmetic(text):
@@ -84,9 +85,10 @@ class Calculator:
             result = arithmetic(call.group(1))
         except ValueError as e:
             return f"error: {e}", {"correct": 0.0, "calculated": 0.0}, False
-        first, self.calculated = not self.calculated, True
+        bonus = 0.1 if result == self.product and not self.calculated else 0.0
+        self.calculated = self.calculated or result == self.product
         said = f"= {int(result) if float(result).is_integer() else round(result, 6)}"
-        return said, {"correct": 0.0, "calculated": 0.1 * first}, False
+        return said, {"correct": 0.0, "calculated": bonus}, False
 
 
 def environment(problem):
