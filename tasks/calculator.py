@@ -4,8 +4,9 @@
 
 The model may write `calc: 37 * 58` on a turn; the environment answers `= 2146` (a user message,
 context only: no gradient). A turn with `answer: N` ends the episode: correct 1 when N is the
-product. The first calculation whose value is the product earns calculated 0.1, once an episode
-(any value would pay for copying the prompt's example, `calc: 12 * 34`). A turn
+product. The first calculation whose value is the product earns calculated 0.1, once an episode.
+The prompt shows the line to write: what a small model learns here is the protocol (end the turn
+after the call, read the value, copy it into the answer), not which numbers to multiply. A turn
 with neither is told how to use the calculator, and costs nothing (a cost per turn would make one
 long turn that runs out the token budget pay). The turns' rewards are summed (env_reward="sum").
 The environment evaluates arithmetic itself (numbers and + - * / only), never the model's text as
@@ -36,10 +37,10 @@ def problems(split, n, seed):
 
 
 def prompt(problem):
-    return [{"role": "user", "content": f"What is {problem['a']} * {problem['b']}? You have a "
-                                        "calculator: write a line like 'calc: 12 * 34' with your "
-                                        "numbers, and I will reply with its value. Then write "
-                                        "'answer: <number>'."}]
+    a, b = problem["a"], problem["b"]
+    return [{"role": "user", "content": f"What is {a} * {b}? You have a calculator: write "
+                                        f"'calc: {a} * {b}' and stop, and I will reply with its "
+                                        "value. Then write 'answer: <number>'."}]
 
 
 def arithmetic(text):
