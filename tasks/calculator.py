@@ -4,7 +4,8 @@
 
 The model may write `calc: 37 * 58` on a turn; the environment answers `= 2146` (a user message,
 context only: no gradient). A turn with `answer: N` ends the episode: correct 1 when N is the
-product. The first calculation whose value is the product earns calculated 0.1, once an episode.
+product. The first calculation whose value is the product earns calculated 0.1, once an episode,
+and an answer after it 0.1 more (the path to the answer, a step at a time; correct or not).
 The prompt shows the line to write: what a small model learns here is the protocol (end the turn
 after the call, read the value, copy it into the answer), not which numbers to multiply. A turn
 with neither is told how to use the calculator, and costs nothing (a cost per turn would make one
@@ -77,7 +78,8 @@ class Calculator:
         answer = ANSWER.search(action)
         if answer:
             right = int(answer.group(1)) == self.product
-            return None, {"correct": float(right), "calculated": 0.0}, True
+            # an answer after the product was calculated: the step between the call and the copy
+            return None, {"correct": float(right), "calculated": 0.1 * self.calculated}, True
         call = CALC.search(action)
         if not call:
             return ("Write 'calc: <expression>' to use the calculator, or 'answer: <number>'.",

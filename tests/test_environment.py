@@ -405,8 +405,10 @@ def test_the_calculator_answers_arithmetic_and_never_runs_the_text():
     assert env.step("calc: 1 / 0")[0].startswith("error:")
     assert env.step("I do not know") == (
         "Write 'calc: <expression>' to use the calculator, or 'answer: <number>'.", none, False)
-    assert env.step("answer: 2146") == (None, {"correct": 1.0, "calculated": 0.0}, True)
-    assert env.step("answer: 2147")[1] == none
+    assert env.step("answer: 2146") == (None, {"correct": 1.0, "calculated": 0.1}, True)
+    assert env.step("answer: 2147")[1] == once  # answered after the calculation
+    assert calculator.environment({"id": "c", "a": 1, "b": 2}).step("answer: 2")[1] == {
+        "correct": 1.0, "calculated": 0.0}  # right, without the calculator
     env.reset()
     assert env.step("calc: 1 / 0")[1] == none  # no value, no bonus
     assert env.step("calc: 2146 * 1")[1] == once
