@@ -1,7 +1,7 @@
 # An environment as a tool: SmolLM2-135M-Instruct multiplies 2-digit numbers with a calculator it
 # writes to (tasks/calculator.py).
 #   python grpo.py --config config/calculator.py
-# CPU, about 25 minutes. A turn "calc: 37 * 58" gets "= 2146" back as the next user message
+# CPU, about 6 minutes. A turn "calc: 37 * 58" gets "= 2146" back as the next user message
 # (context: not trained on); a turn "answer: 2146" ends the episode (environment.EpisodeEngine).
 task = "calculator"
 out_dir = "out/calculator"

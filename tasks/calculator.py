@@ -1,10 +1,11 @@
 """A calculator environment: multiply two numbers, with a calculator one turn away.
 
-    python grpo.py --task=calculator --max_turns=3
+    python grpo.py --config config/calculator.py
 
-The model may write `calc: 37 * 58` on a turn; the environment answers `= 2146` (a user message,
-context only: no gradient). A turn with `answer: N` ends the episode: correct 1 when N is the
-product. The first calculation whose value is the product earns calculated 0.1, once an episode,
+The model may write `calc: 37 * 58` on a turn; the environment answers `= 2146` and says to write
+the answer next (a user message, context only: no gradient; without that line SmolLM2-135M called
+but never answered, docs/tools.md). A turn with `answer: N` ends the episode: correct 1 when N is
+the product. The first calculation whose value is the product earns calculated 0.1, once an episode,
 and an answer after it 0.1 more (the path to the answer, a step at a time; correct or not).
 The prompt shows the line to write: what a small model learns here is the protocol (end the turn
 after the call, read the value, copy it into the answer), not which numbers to multiply. A turn
@@ -90,7 +91,8 @@ class Calculator:
             return f"error: {e}", {"correct": 0.0, "calculated": 0.0}, False
         bonus = 0.1 if result == self.product and not self.calculated else 0.0
         self.calculated = self.calculated or result == self.product
-        said = f"= {int(result) if float(result).is_integer() else round(result, 6)}"
+        value = int(result) if float(result).is_integer() else round(result, 6)
+        said = f"= {value}\nWrite 'answer: <number>' when you know it."
         return said, {"correct": 0.0, "calculated": bonus}, False
 
 

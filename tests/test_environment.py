@@ -394,12 +394,13 @@ def test_the_calculator_answers_arithmetic_and_never_runs_the_text():
     finally:
         sys.path.pop(0)
     env = calculator.environment({"id": "c", "a": 37, "b": 58})
+    NEXT = "= {}\nWrite 'answer: <number>' when you know it."
     assert env.reset() is None
     none, once = {"correct": 0.0, "calculated": 0.0}, {"correct": 0.0, "calculated": 0.1}
-    assert env.step("calc: 12 * 34") == ("= 408", none, False)  # the prompt's example: no bonus
-    assert env.step("Let me see. calc: 37 * 58") == ("= 2146", once, False)
-    assert env.step("calc: 58 * 37") == ("= 2146", none, False)  # once an episode
-    assert env.step("calc: 7 / 2") == ("= 3.5", none, False)  # the bonus comes once
+    assert env.step("calc: 12 * 34") == (NEXT.format(408), none, False)  # not the product
+    assert env.step("Let me see. calc: 37 * 58") == (NEXT.format(2146), once, False)
+    assert env.step("calc: 58 * 37") == (NEXT.format(2146), none, False)  # once an episode
+    assert env.step("calc: 7 / 2") == (NEXT.format(3.5), none, False)  # the bonus comes once
     assert env.step("calc: __import__('os')")[0].startswith("error:")  # not arithmetic
     assert env.step("calc: 9 ** 9")[0].startswith("error:")  # ** is not offered
     assert env.step("calc: 1 / 0")[0].startswith("error:")
