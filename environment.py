@@ -69,17 +69,14 @@ class EpisodeEngine:
         """n episodes per prompt, as the engines' generate (seeds: one per row); task: the one the
         prompts are of; problems: one per prompt, each row's environment made from its own. A task
         without an environment or TOOLS (an eval set's) gets one turn, the engine's own."""
-        if task is None or not (task.environment or task.tools):
+        if task is None or not task.episodic:
             return self.engine.generate(prompts, n, seeds=seeds, max_tokens=max_tokens, stop=stop,
                                         progress=progress, **sampling)
         make_env = task.environment or (lambda problem: ToolCalls(task.tools))
         rows = [Completion(list(p), [], "", [], False, mask=[], env_rewards={})
                 for p in prompts for _ in range(n)]
         chat = [not isinstance(task.prompt(p), str) for p in problems]  # else a raw prompt
-        envs = [self._call(rows[r], make_env, problems[r // n]) for r in range(len(rows))]
-        for row, env in zip(rows, envs):
-            if alive(row):
-                self._call(row, env.reset)  # its text is in the prompt already (task.render)
+        envs = [start(rows[r], make_env, problems[r // n], self.timeout) for r in range(len(rows))]
         live = [r for r in range(len(rows)) if alive(rows[r])]
         for turn in range(self.max_turns):
             # every rank decides alike: FSDP's HF engine generates in lockstep
@@ -96,14 +93,14 @@ class EpisodeEngine:
                 append(row, out.completion_ids, out.logprobs, model=True)
                 row.truncated = out.truncated
                 action = self.tokenizer.decode(out.completion_ids, skip_special_tokens=True)
-                observation, done = self._step(row, envs[r], action)
+                observation, done = step(row, envs[r], action, self.timeout, self.combine)
                 if done or row.truncated or turn == self.max_turns - 1:
                     continue
                 try:  # the observation as tokens: text, or messages the template renders
                     ids = self.observation_ids(observation, out.completion_ids, chat[r // n])
                 except Exception:
-                    self._fail(row, "wrong type", "the observation could not be rendered:\n"
-                               + traceback.format_exc())
+                    fail(row, "wrong type", "the observation could not be rendered:\n"
+                         + traceback.format_exc())
                     continue
                 room = max_tokens - len(row.completion_ids)
                 if len(ids) >= room:  # no room for the model to answer it: the episode is cut here
@@ -118,57 +115,6 @@ class EpisodeEngine:
             row.tool_errors += getattr(env, "errors", 0)  # ToolCalls: the tools that failed
             row.text = self.tokenizer.decode(row.completion_ids, skip_special_tokens=True)
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-    def _step(self, row, env, action):
-        """env.step(action) under the deadline, its reward recorded: (observation, done)."""
-        out = self._call(row, env.step, action)
-        if not alive(row):  # failed: the episode ends here
-            return None, True
-        try:
-            observation, reward, done = out
-            reward = {"env": reward} if not isinstance(reward, dict) else reward
-            reward = {str(k): float(v) for k, v in reward.items()}
-            if not all(map(math.isfinite, reward.values())):
-                raise ValueError(f"a reward is not finite: {reward}")
-            if set(reward) & COUNTED:
-                raise ValueError(f"{sorted(set(reward) & COUNTED)} are counts the run keeps")
-            if not (observation is None or isinstance(observation, str)
-                    or is_messages(observation)):
-                raise TypeError("the observation is not text, chat messages or None")
-        except (TypeError, ValueError) as e:
-            self._fail(row, "wrong type", f"step() must return (observation, reward, done), "
-                       f"reward a float or a dict of floats; it returned {out!r:.200}: {e}")
-            return None, True
-        if self.combine == "sum":
-            for k, v in reward.items():
-                row.env_rewards[k] = row.env_rewards.get(k, 0.0) + v
-        else:  # "last": the turn's rewards replace those before
-            row.env_rewards = reward
-        return observation, bool(done) or observation is None
-
-    def _call(self, row, fn, *args):
-        """fn(*args) within env_timeout seconds; a failure ends the row's episode."""
-        start = time.perf_counter()
-        try:
-            return within(self.timeout, fn, *args)
-        except OutOfTime:
-            self._fail(row, "timeout", f"{getattr(fn, '__qualname__', fn)} ran past "
-                       f"env_timeout={self.timeout} s")
-        except Exception:
-            self._fail(row, "error", traceback.format_exc())
-        finally:
-            row.tool_seconds += time.perf_counter() - start
-
-    @staticmethod
-    def _fail(row, kind, detail):
-        """The episode ends; its completion will score 0, counted in reward/errors (score_batch
-        reads the kind in env_rewards' place). The first failure of each kind is printed."""
-        row.env_rewards = kind
-        row.tool_errors += 1
-        if kind not in REPORTED:
-            REPORTED.add(kind)
-            print(f"warning: an environment call failed ({kind}); its completion scores 0 and is "
-                  f"counted in reward/errors (printed once):\n{detail}", file=sys.stderr)
 
     def observation_ids(self, observation, sampled, chat):
         """The tokens after the model's turn: the observation, then the assistant's next turn
@@ -187,6 +133,77 @@ class EpisodeEngine:
 
 REPORTED = set()  # the kinds of environment failure printed so far in this process
 COUNTED = {"errors", "timeouts", "unscored"}  # score_batch's own components: no reward's names
+
+
+def start(row, make_env, problem, timeout):
+    """The row's environment, made and reset under the deadline (None if either failed)."""
+    env = call(row, timeout, make_env, problem)
+    if alive(row):
+        call(row, timeout, env.reset)  # its text is in the prompt already (task.render)
+    return env
+
+
+def step(row, env, action, timeout, combine):
+    """env.step(action) under the deadline, its reward recorded in row.env_rewards (summed, or
+    the last turn's): (observation, done)."""
+    out = call(row, timeout, env.step, action)
+    if not alive(row):  # failed: the episode ends here
+        return None, True
+    try:
+        observation, reward, done = out
+        reward = {"env": reward} if not isinstance(reward, dict) else reward
+        reward = {str(k): float(v) for k, v in reward.items()}
+        if not all(map(math.isfinite, reward.values())):
+            raise ValueError(f"a reward is not finite: {reward}")
+        if set(reward) & COUNTED:
+            raise ValueError(f"{sorted(set(reward) & COUNTED)} are counts the run keeps")
+        if not (observation is None or isinstance(observation, str)
+                or is_messages(observation)):
+            raise TypeError("the observation is not text, chat messages or None")
+    except (TypeError, ValueError) as e:
+        fail(row, "wrong type", f"step() must return (observation, reward, done), reward a "
+             f"float or a dict of floats; it returned {out!r:.200}: {e}")
+        return None, True
+    if combine == "sum":
+        for k, v in reward.items():
+            row.env_rewards[k] = row.env_rewards.get(k, 0.0) + v
+    else:  # "last": the turn's rewards replace those before
+        row.env_rewards = reward
+    return observation, bool(done) or observation is None
+
+
+def first_turn(make_env, problem, action, timeout):
+    """The rewards of one model turn `action` in a fresh environment of `problem`, or why it
+    failed: what `python task.py --audit` tries its adversarial completions on."""
+    row = Completion([], [], "", [], False, env_rewards={})
+    env = start(row, make_env, problem, timeout)
+    if alive(row):
+        step(row, env, action, timeout, "sum")
+    return row.env_rewards
+
+
+def call(row, timeout, fn, *args):
+    """fn(*args) within `timeout` seconds (env_timeout); a failure ends the row's episode."""
+    begun = time.perf_counter()
+    try:
+        return within(timeout, fn, *args)
+    except OutOfTime:
+        fail(row, "timeout", f"{getattr(fn, '__qualname__', fn)} ran past env_timeout={timeout} s")
+    except Exception:
+        fail(row, "error", traceback.format_exc())
+    finally:
+        row.tool_seconds += time.perf_counter() - begun
+
+
+def fail(row, kind, detail):
+    """The episode ends; its completion will score 0, counted in reward/errors (score_batch reads
+    the kind in env_rewards' place). The first failure of each kind is printed."""
+    row.env_rewards = kind
+    row.tool_errors += 1
+    if kind not in REPORTED:
+        REPORTED.add(kind)
+        print(f"warning: an environment call failed ({kind}); its completion scores 0 and is "
+              f"counted in reward/errors (printed once):\n{detail}", file=sys.stderr)
 
 
 def alive(row):

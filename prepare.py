@@ -143,6 +143,6 @@ def make_engine(cfg, path, device, policy, tokenizer, task=None):
                                 max_output=cfg.tool_output_chars)
         engine = ToolEngine(engine, tokenizer, cfg.max_tool_calls, run,
                             (cfg.tool_open, cfg.tool_close))
-    if task is not None and (task.environment or task.tools):  # an environment answers each turn
+    if task is not None and task.episodic:  # an environment (or TOOLS) answers each model turn
         engine = EpisodeEngine(engine, tokenizer, cfg.max_turns, cfg.env_timeout, cfg.env_reward)
     return engine, name

@@ -93,6 +93,7 @@ from dataclasses import dataclass, field
 import sandbox
 from config import Config, ConfigError, config_from_argv, load_saved
 from data.files import is_data_path, load_rows
+from environment import first_turn
 from environment import python as run_code_tool
 from rewards import extract_answer, score_batch
 
@@ -124,6 +125,11 @@ class Task:
     environment: object = None
     tools: list = field(default_factory=list)
 
+    @property
+    def episodic(self):
+        """Rollouts in turns with an environment, or TOOLS' calls (environment.EpisodeEngine)."""
+        return self.environment is not None or bool(self.tools)
+
     def close(self):
         """End the sandboxed processes of EXECUTES_TEXT's rewards (they die with this one too)."""
         for f in [self.reward, *self.reward_funcs]:
@@ -133,7 +139,7 @@ class Task:
 
 def multi_turn(cfg, task):
     """A rollout has turns: tools=True's calls, or the task's environment or TOOLS."""
-    return cfg.tools or task.environment is not None or bool(task.tools)
+    return cfg.tools or task.episodic
 
 
 def builtin_tasks():
@@ -917,23 +923,13 @@ def audit_environment(task, problems, cfg):
     """The audit of a task whose reward is its environment's: each adversarial completion as the
     model's first turn, in a fresh environment of each problem, under env_timeout. A failure: a
     call that raises, hangs or returns the wrong shape, or a turn that scores "correct"."""
-    from environment import EpisodeEngine
-    from rollout import Completion
-
-    episodes = EpisodeEngine(None, None, 1, cfg.env_timeout, cfg.env_reward)
     failures, calls = 0, 0
     for problem in problems:
         prompt = task.prompt(problem)
         prompt = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
         for name, text in audit_cases(prompt, None, None).items():
-            row = Completion([], [], "", [], False, env_rewards={})
-            env = episodes._call(row, task.environment, problem)
-            if isinstance(row.env_rewards, dict):
-                episodes._call(row, env.reset)
-            if isinstance(row.env_rewards, dict):
-                episodes._step(row, env, text)
+            rewards = first_turn(task.environment, problem, text, cfg.env_timeout)
             calls += 1
-            rewards = row.env_rewards
             if not isinstance(rewards, dict) or rewards.get("correct", 0.0) >= 1:
                 failures += 1
                 print(f"  {'scores correct' if isinstance(rewards, dict) else rewards}: problem "
