@@ -16,6 +16,7 @@ Without torchrun (no RANK in the environment) nothing here communicates: every f
 the one-process answer (world 1, rank 0, sums of one number, the model unwrapped).
 """
 
+import atexit
 import contextlib
 import os
 
@@ -50,6 +51,10 @@ def setup(device):
         torch.cuda.set_device(device)
     # gloo for CPU tensors even on GPUs: object gathers and the CPU-side counts go through it
     dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
+    # Leave the group before the interpreter exits: a process that exits with gloo's threads still
+    # running can abort ("terminate called without an active exception", SIGABRT) after its work
+    # is done, and torchrun then reports the whole run as failed.
+    atexit.register(dist.destroy_process_group)
     launched = True
     return dist.get_rank(), dist.get_world_size(), device
 
