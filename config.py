@@ -192,7 +192,6 @@ class Config:
 
     # ---- derived: computed by derive(), never set by hand ----
     prompts_per_step: int = field(default=0, init=False)  # batch_size // group_size
-    loss: dict = field(default_factory=dict, init=False)  # LOSS_SETTINGS, as loss.grpo_loss kwargs
     parity_warn_eff: float = field(default=0.0, init=False)  # parity_warn, else PARITY_WARN[dtype]
     shaping: dict = field(default_factory=dict, init=False)  # W2-W3 settings: shape_reward's kwargs
     component_weights: dict = field(default_factory=dict, init=False)  # reward_weights as a dict
@@ -205,11 +204,6 @@ class Config:
 # the bound sits above that, below a temperature mismatch or weights several steps stale.
 PARITY_WARN = {"float32": 1e-3, "bfloat16": 0.1}
 
-# the settings loss.grpo_loss takes, by the same names: a new loss variant is a setting above, its
-# name here and its branch in loss.py
-LOSS_SETTINGS = ("clip_eps", "clip_eps_high", "loss_agg", "max_completion_len", "policy_loss",
-                 "dual_clip", "sapo_tau_pos", "sapo_tau_neg", "ratio_level", "kl_estimator",
-                 "entropy_coef")
 REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty",
                "length_soft_limit", "length_penalty", "length_penalty_tokens", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
@@ -239,7 +233,6 @@ class ConfigError(ValueError):
 def derive(cfg):
     """Compute the derived values, once, right after loading."""
     cfg.prompts_per_step = cfg.batch_size // cfg.group_size
-    cfg.loss = {k: getattr(cfg, k) for k in LOSS_SETTINGS}
     cfg.shaping = {k: getattr(cfg, k) for k in REWARD_KEYS}
     weights = pairs("reward_weights", cfg.reward_weights)
     cfg.component_weights = {k: float(v) for k, v in weights.items()}

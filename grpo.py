@@ -596,8 +596,8 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
         behaviour = old  # pi_old of the ratio
         if cfg.old_logprobs == "sampler":  # R8: the ratio against the policy that sampled, q
             behaviour = sampler_lp
-        loss, mb_metrics = grpo_loss(
-            lp, behaviour, ub.advantages[mb], mask,
+        loss, mb_metrics = grpo_loss(  # the loss's settings by their names: cfg has every one
+            lp, behaviour, ub.advantages[mb], mask, cfg,
             ref_logprobs=passes.ref[mb, :T] if passes.ref is not None else None,
             beta=state.beta,
             entropy=entropy,
@@ -605,7 +605,6 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
             num_seqs=mini.num_seqs,
             is_weights=is_weights,
             pg_mask=passes.pg_mask[mb, :T] if passes.pg_mask is not None else None,
-            **cfg.loss,
         )
         # micro-batch losses share the global mini-batch's denominator, so gradients add up (L2);
         # DDP and FSDP average gradients over ranks, where the batch's gradient is their sum:

@@ -9,23 +9,39 @@ Per response token t of completion i, with r = pi_new(t) / pi_old(t) and A_i the
 (policy_loss swaps the first line for CISPO's, SAPO's or GPG's; kl_estimator the second for k1, k2)
 
 then averaged over the response tokens of the whole batch (L2). Everything here is pure:
-tensors in, a loss and a dict of floats out. The settings reach grpo_loss by their config.py names,
-as one mapping (config.LOSS_SETTINGS -> cfg.loss): a new variant is a setting there, a branch here.
+tensors in, a loss and a dict of floats out. The settings reach grpo_loss as one object with
+their config.py names (the run's Config, or a LossSettings): a new variant is a setting in both, a
+branch here.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 # ---------------------------------------------------------------- the loss (L1-L5, L8)
 
 
-def grpo_loss(logprobs, old_logprobs, advantages, mask, *, ref_logprobs=None, beta=0.0,
-              entropy=None, num_tokens=None, num_seqs=None, is_weights=None, pg_mask=None,
-              # the settings, by their config.py names (cfg.loss)
-              clip_eps=0.2, clip_eps_high=0.0, loss_agg="token-mean", max_completion_len=None,
-              policy_loss="clip", dual_clip=0.0, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
-              ratio_level="token", kl_estimator="k3", entropy_coef=0.0):
+@dataclass(frozen=True)
+class LossSettings:
+    """grpo_loss's settings, by their config.py names and with its defaults (a test holds the two
+    equal). A run passes its Config, which has every one; a test or a fork builds one of these."""
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.0
+    loss_agg: str = "token-mean"
+    max_completion_len: int = None  # dr-grpo's constant; None: the micro-batch's width T
+    policy_loss: str = "clip"
+    dual_clip: float = 0.0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    ratio_level: str = "token"
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+
+def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(), *,
+              ref_logprobs=None, beta=0.0, entropy=None, num_tokens=None, num_seqs=None,
+              is_weights=None, pg_mask=None):
     """Clipped-surrogate GRPO loss of one (micro-)batch and its metrics.
 
     logprobs:     (B, T) fp32, current policy, with grad.
@@ -33,6 +49,7 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, *, ref_logprobs=None, be
     advantages:   (B,) one per completion (advantage.group_advantages).
     mask:         (B, T) 1 on response tokens, 0 on padding (L3); masked values may be anything,
                   even -inf.
+    settings:     LossSettings, or the run's Config: the fields below by their config.py names.
     ref_logprobs: (B, T) reference policy, or None. beta weighs the k3 KL to it (L4).
     clip_eps, clip_eps_high: ratio clipped to [1 - clip_eps, 1 + clip_eps_high]; 0 = symmetric (L1).
     loss_agg (L2): "token-mean": sum over tokens / num_tokens (the response tokens of the *whole*
@@ -66,21 +83,21 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, *, ref_logprobs=None, be
     and "gpg" the gradient is the same -2 d log pi; "sapo" gives -(4 / tau) * 0.5 * 2 with the same
     gradient).
     """
+    s = settings
     mask = mask.bool()
-    eps_high = clip_eps_high or clip_eps
+    eps_high = s.clip_eps_high or s.clip_eps
     adv = advantages.to(logprobs.dtype)[:, None]  # (B, 1): one advantage for a completion's tokens
     # Masked positions are zeroed *before* exp, so padding values (even -inf) cannot make a NaN.
     # The ratio is new / old policy. (Some blog code divides by the reference instead: wrong.)
     log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
-    if ratio_level == "sequence":
+    if s.ratio_level == "sequence":
         seq_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)  # (B,) log geometric mean
         log_ratio = torch.where(mask, seq_log_ratio[:, None].expand_as(log_ratio), 0.0)
-    elif ratio_level != "token":
-        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
+    elif s.ratio_level != "token":
+        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {s.ratio_level!r}")
     ratio = torch.exp(log_ratio)
     # (B, T)
-    per_token = policy_gradient_term(policy_loss, ratio, torch.where(mask, logprobs, 0.0), adv,
-                                     clip_eps, eps_high, dual_clip, sapo_tau_pos, sapo_tau_neg)
+    per_token = policy_gradient_term(s, ratio, torch.where(mask, logprobs, 0.0), adv)
     if is_weights is not None:  # R2: the tokens came from the sampler, not from pi_old exactly
         per_token = per_token * is_weights.detach()
     if pg_mask is not None:  # "80/20": no policy gradient for low-entropy tokens, only the KL pull
@@ -88,35 +105,36 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, *, ref_logprobs=None, be
 
     kl = None
     if ref_logprobs is not None:
-        kl = kl_estimate(logprobs, ref_logprobs, mask, kl_estimator)  # (B, T)
+        kl = kl_estimate(logprobs, ref_logprobs, mask, s.kl_estimator)  # (B, T)
         per_token = per_token + beta * kl
-    if entropy_coef > 0:
+    if s.entropy_coef > 0:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the entropy tensor (token_logprobs)")
-        per_token = per_token - entropy_coef * entropy  # L5: a bonus, so it lowers the loss
+        per_token = per_token - s.entropy_coef * entropy  # L5: a bonus, so it lowers the loss
     per_token = torch.where(mask, per_token, 0.0)
 
     B, T = mask.shape
-    if loss_agg == "token-mean":
+    if s.loss_agg == "token-mean":
         loss = per_token.sum() / max(num_tokens if num_tokens is not None else mask.sum().item(), 1)
-    elif loss_agg == "seq-mean":
+    elif s.loss_agg == "seq-mean":
         loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / (num_seqs or B)
-    elif loss_agg == "dr-grpo":
-        loss = per_token.sum() / ((num_seqs or B) * (max_completion_len or T))
+    elif s.loss_agg == "dr-grpo":
+        loss = per_token.sum() / ((num_seqs or B) * (s.max_completion_len or T))
     else:
         raise ValueError(f"loss_agg must be 'token-mean', 'seq-mean' or 'dr-grpo', "
-                         f"got {loss_agg!r}")
-    metrics = _metrics(mask, ratio, log_ratio, adv, clip_eps, eps_high, kl, entropy)
-    if dual_clip:  # the tokens whose loss dual-clip bounded: A < 0 and r > dual_clip
-        metrics["dual_clip_frac"] = _metrics_mean(mask, (ratio > dual_clip) & (adv < 0))
+                         f"got {s.loss_agg!r}")
+    metrics = _metrics(mask, ratio, log_ratio, adv, s.clip_eps, eps_high, kl, entropy)
+    if s.dual_clip:  # the tokens whose loss dual-clip bounded: A < 0 and r > dual_clip
+        metrics["dual_clip_frac"] = _metrics_mean(mask, (ratio > s.dual_clip) & (adv < 0))
     if pg_mask is not None:  # the share of response tokens that got the policy gradient
         metrics["pg_token_frac"] = _metrics_mean(mask, pg_mask.bool())
     return loss, metrics
 
 
-def policy_gradient_term(policy_loss, ratio, logprobs, adv, clip_eps, eps_high, dual_clip, tau_pos,
-                         tau_neg):
+def policy_gradient_term(settings, ratio, logprobs, adv):
     """Per-token loss of grpo_loss's policy_loss; (B, T) ratio and logprobs, (B, 1) adv."""
+    policy_loss, clip_eps, dual_clip = settings.policy_loss, settings.clip_eps, settings.dual_clip
+    eps_high = settings.clip_eps_high or clip_eps
     if policy_loss == "clip":
         clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)
         per_token = -torch.min(ratio * adv, clipped * adv)  # zero grad on the clipped side
@@ -127,7 +145,8 @@ def policy_gradient_term(policy_loss, ratio, logprobs, adv, clip_eps, eps_high, 
         return -ratio.clamp(1 - clip_eps, 1 + eps_high).detach() * adv * logprobs
     if policy_loss == "sapo":  # gate'(1) = 1: near r = 1 SAPO's gradient is the plain ratio's
         # (B, 1)
-        tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+        tau = torch.where(adv > 0, torch.full_like(adv, settings.sapo_tau_pos),
+                          torch.full_like(adv, settings.sapo_tau_neg))
         return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
     if policy_loss == "gpg":
         return -adv * logprobs

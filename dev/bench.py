@@ -150,9 +150,9 @@ def memory(argv, vocab=0):
         with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
             lp, entropy = sequence_logprobs(policy, ids, cfg.temperature, vcfg,
                                             attention_mask=attention)
-        loss, _ = grpo_loss(lp, lp.detach(), torch.randn(B, device=device), mask,
+        loss, _ = grpo_loss(lp, lp.detach(), torch.randn(B, device=device), mask, cfg,
                             ref_logprobs=lp.detach(),
-                            beta=cfg.beta, entropy=entropy, entropy_coef=cfg.entropy_coef)
+                            beta=cfg.beta, entropy=entropy)
         loss.backward()
         policy.zero_grad(set_to_none=True)
 

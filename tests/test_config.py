@@ -42,26 +42,38 @@ def test_every_technique_setting_names_its_spec_id():
 
 
 def clip_grad(cfg):
-    """d loss / d logprob of one token with ratio 1.25 and advantage 1, under cfg.loss."""
+    """d loss / d logprob of one token with ratio 1.25 and advantage 1, under cfg's settings."""
     import torch
 
     from loss import grpo_loss
 
     lp = torch.tensor([[math.log(1.25)]], requires_grad=True)
-    loss, _ = grpo_loss(lp, torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), **cfg.loss)
+    loss, _ = grpo_loss(lp, torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), cfg)
     return torch.autograd.grad(loss, lp)[0].item()
+
+
+def test_the_loss_settings_are_configs_by_name_and_default():
+    """grpo_loss takes the run's Config as its settings: every LossSettings field is a setting of
+    the same name, with the same default (max_completion_len excepted: the loss's None is the
+    micro-batch's width)."""
+    from loss import LossSettings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    for f in dataclasses.fields(LossSettings):
+        assert f.name in defaults, f.name
+        if f.name != "max_completion_len":
+            assert f.default == defaults[f.name], f.name
 
 
 def test_defaults_load_and_derive():
     cfg = load_config()
     assert cfg.prompts_per_step == cfg.batch_size // cfg.group_size == 32  # 32 prompts x 4
-    assert cfg.loss == {k: getattr(cfg, k) for k in config.LOSS_SETTINGS}
-    assert cfg.loss["clip_eps_high"] == 0
+    assert cfg.clip_eps_high == 0
     # the loss takes them by name; clip_eps_high = 0 is clip_eps: a ratio of 1.25 with A > 0 is
     # clipped at the default 0.2 (no gradient), not at 0.28
     assert clip_grad(cfg) == 0.0
     high = load_config(overrides=["--clip_eps_high=0.28"])
-    assert high.loss["clip_eps_high"] == 0.28 and clip_grad(high) == pytest.approx(-1.25)
+    assert high.clip_eps_high == 0.28 and clip_grad(high) == pytest.approx(-1.25)
     cfg = load_config(overrides=["--wrong_penalty=-0.1", "--reward_weights=brief:0.5, style:0",
                                  "--data_columns=question:prompt"])
     assert (cfg.shaping["wrong_penalty"] == -0.1 and cfg.shaping["format_weight"] == 0.1

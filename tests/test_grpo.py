@@ -935,8 +935,8 @@ def test_drop_zero_std_groups_trains_only_on_mixed_groups(drop):
         assert "dropped_groups" not in metrics
     # the loss of the kept rows: the uniform groups' zero advantages would only have diluted it
     lp = torch.zeros_like(ub.mask)
-    loss, _ = grpo.grpo_loss(lp, lp, ub.advantages, ub.mask, num_tokens=ub.num_tokens,
-                             num_seqs=len(batch), **cfg.loss)
+    loss, _ = grpo.grpo_loss(lp, lp, ub.advantages, ub.mask, cfg, num_tokens=ub.num_tokens,
+                             num_seqs=len(batch))
     # a ratio of 1: loss = -sum(A_i x tokens_i) / num_tokens; mixed group A = (+a, -a, -a, +a)
     a = ub.advantages[ub.groups == ub.groups.max()].abs().max().item()
     assert loss.item() == pytest.approx(-a * (1 - 2 - 3 + 4) / ub.num_tokens, abs=1e-6)

@@ -3,12 +3,13 @@
 The chunked and fused token logprobs (perf/logprobs.py) are held to the plain ones in test_perf.py.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from loss import adaptive_kl_beta, grpo_loss, lr_at, token_logprobs
+from loss import LossSettings, adaptive_kl_beta, grpo_loss, lr_at, token_logprobs
 
 LN = math.log
 
@@ -83,11 +84,12 @@ def test_token_logprobs_of_a_non_contiguous_slice():
 # ---------------------------------------------------------------- the loss: hand-worked cases
 
 
-def one_token(log_ratio, adv, **kw):
-    """Loss and d loss / d logprob for one response token with the given log ratio and advantage."""
+def one_token(log_ratio, adv, **settings):
+    """Loss and d loss / d logprob for one response token with the given log ratio and advantage,
+    under the loss settings given (LossSettings' names)."""
     lp = torch.tensor([[log_ratio]], dtype=torch.float64, requires_grad=True)
     loss, metrics = grpo_loss(lp, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([adv]),
-                              torch.ones(1, 1), **kw)
+                              torch.ones(1, 1), LossSettings(**settings))
     (grad,) = torch.autograd.grad(loss, lp)
     return loss.item(), grad.item(), metrics
 
@@ -175,22 +177,23 @@ def test_k3_kl_is_clamped_on_an_extreme_token():
 def test_entropy_bonus_lowers_the_loss():
     lp = torch.zeros(1, 2, requires_grad=True)
     ent = torch.tensor([[2.0, 4.0]], requires_grad=True)
-    kw = dict(entropy=ent, entropy_coef=0.01)
-    loss, m = grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), **kw)
+    loss, m = grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2),
+                        LossSettings(entropy_coef=0.01), entropy=ent)
     assert loss.item() == pytest.approx(-1.0 - 0.01 * 3.0)
     assert m["entropy"] == pytest.approx(3.0)
     loss.backward()
     assert ent.grad.tolist()[0] == pytest.approx([-0.005, -0.005])
     with pytest.raises(ValueError, match="entropy"):
-        grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), entropy_coef=0.01)
+        grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2),
+                  LossSettings(entropy_coef=0.01))
 
 
 def test_gspo_sequence_ratio():
     # token log ratios [ln 2, 0]: sequence ratio = geometric mean = sqrt 2, applied to both tokens
     lp = torch.tensor([[LN(2), 0.0]], dtype=torch.float64, requires_grad=True)
     old = torch.zeros(1, 2, dtype=torch.float64)
-    loss, m = grpo_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.5,
-                        ratio_level="sequence")
+    loss, m = grpo_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2),
+                        LossSettings(clip_eps=0.5, ratio_level="sequence"))
     assert loss.item() == pytest.approx(-math.sqrt(2))
     assert m["ratio"] == pytest.approx(math.sqrt(2))
     loss.backward()
@@ -199,7 +202,7 @@ def test_gspo_sequence_ratio():
     # outside the range the whole sequence is clipped together
     lp2 = torch.tensor([[LN(4), 0.0]], requires_grad=True)
     loss2, _ = grpo_loss(lp2, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
-                         ratio_level="sequence")
+                         LossSettings(ratio_level="sequence"))
     loss2.backward()
     assert loss2.item() == pytest.approx(-1.2) and lp2.grad.abs().sum().item() == 0.0
 
@@ -210,14 +213,15 @@ def test_token_mean_vs_seq_mean_vs_dr_grpo_on_unequal_lengths():
     mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0]])
     lp = torch.zeros(2, 4)
     adv = torch.tensor([1.0, -1.0])
-    token_mean = grpo_loss(lp, lp, adv, mask, loss_agg="token-mean")[0].item()
-    seq_mean = grpo_loss(lp, lp, adv, mask, loss_agg="seq-mean")[0].item()
-    dr = grpo_loss(lp, lp, adv, mask, loss_agg="dr-grpo")[0].item()
+    token_mean = grpo_loss(lp, lp, adv, mask, LossSettings(loss_agg="token-mean"))[0].item()
+    seq_mean = grpo_loss(lp, lp, adv, mask, LossSettings(loss_agg="seq-mean"))[0].item()
+    dr = grpo_loss(lp, lp, adv, mask, LossSettings(loss_agg="dr-grpo"))[0].item()
     # every token weighs the same: long seq dominates
     assert token_mean == pytest.approx((-1 + 3) / 4)
     assert seq_mean == pytest.approx((-1 + 1) / 2)  # every sequence weighs the same
     assert dr == pytest.approx((-1 + 3) / (2 * 4))  # token sum over the constant seqs x max_len
-    dr_8 = grpo_loss(lp, lp, adv, mask, loss_agg="dr-grpo", max_completion_len=8)[0].item()
+    dr_8 = grpo_loss(lp, lp, adv, mask,
+                     LossSettings(loss_agg="dr-grpo", max_completion_len=8))[0].item()
     assert dr_8 == pytest.approx(2 / 16)
 
 
@@ -294,9 +298,9 @@ def test_matches_naive_loop(agg, with_ref, eps_high, policy_loss, dual_clip, kl_
     adv = torch.randn(B, dtype=torch.float64)
     lengths = torch.tensor([9, 1, 4, 7, 2, 5])
     mask = torch.arange(T)[None, :] < lengths[:, None]
-    got, _ = grpo_loss(lp, old, adv, mask, ref_logprobs=ref, beta=0.05, clip_eps_high=eps_high,
-                       loss_agg=agg, policy_loss=policy_loss, dual_clip=dual_clip,
-                       kl_estimator=kl_estimator)
+    settings = LossSettings(clip_eps_high=eps_high, loss_agg=agg, policy_loss=policy_loss,
+                            dual_clip=dual_clip, kl_estimator=kl_estimator)
+    got, _ = grpo_loss(lp, old, adv, mask, settings, ref_logprobs=ref, beta=0.05)
     want = naive_loss(
         lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), None if ref is None
         else ref.tolist(),
@@ -320,17 +324,19 @@ def test_micro_batches_add_up_to_the_full_batch(agg, policy_loss):
     ref = lp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.2
     adv = torch.randn(B, dtype=torch.float64)
     mask = torch.arange(T)[None, :] < torch.randint(1, T + 1, (B,))[:, None]
-    kw = dict(beta=0.04, loss_agg=agg, policy_loss=policy_loss,
-              dual_clip=2.0 if policy_loss == "clip" else 0.0)
+    settings = LossSettings(loss_agg=agg, policy_loss=policy_loss,
+                            dual_clip=2.0 if policy_loss == "clip" else 0.0)
+    kw = dict(beta=0.04)
 
-    full, _ = grpo_loss(lp, old, adv, mask, ref_logprobs=ref, **kw)
+    full, _ = grpo_loss(lp, old, adv, mask, settings, ref_logprobs=ref, **kw)
     (full_grad,) = torch.autograd.grad(full, lp)
 
-    shared = dict(num_tokens=int(mask.sum()), num_seqs=B, max_completion_len=T)
+    shared = dict(num_tokens=int(mask.sum()), num_seqs=B)
+    whole = dataclasses.replace(settings, max_completion_len=T)
     total = 0.0
     for idx in ([0, 1, 2], [3], [4, 5, 6, 7]):
-        part, _ = grpo_loss(lp[idx], old[idx], adv[idx], mask[idx], ref_logprobs=ref[idx], **kw,
-                            **shared)
+        part, _ = grpo_loss(lp[idx], old[idx], adv[idx], mask[idx], whole, ref_logprobs=ref[idx],
+                            **kw, **shared)
         total = total + part
     (micro_grad,) = torch.autograd.grad(total, lp)
     assert total.item() == pytest.approx(full.item(), abs=1e-6)
@@ -338,7 +344,8 @@ def test_micro_batches_add_up_to_the_full_batch(agg, policy_loss):
     # without the shared denominator token-mean would differ: the test can tell
     if agg == "token-mean":
         parts = ([0, 1, 2], [3], [4, 5, 6, 7])
-        naive = sum(grpo_loss(lp[i], old[i], adv[i], mask[i], ref_logprobs=ref[i], **kw)[0]
+        naive = sum(grpo_loss(lp[i], old[i], adv[i], mask[i], settings, ref_logprobs=ref[i],
+                              **kw)[0]
                     for i in parts)
         assert abs(naive.item() - full.item()) > 1e-3
 
@@ -350,9 +357,10 @@ def test_masked_positions_may_hold_minus_inf(policy_loss, kl_estimator):
     old = torch.tensor([[-0.4, -float("inf")], [-1.1, -float("inf")]])
     ref = torch.tensor([[-0.6, -float("inf")], [-0.9, float("nan")]])
     mask = torch.tensor([[1, 0], [1, 0]])
-    loss, m = grpo_loss(lp, old, torch.tensor([1.0, -1.0]), mask, ref_logprobs=ref, beta=0.1,
-                        policy_loss=policy_loss,
-                        dual_clip=3.0 if policy_loss == "clip" else 0.0, kl_estimator=kl_estimator)
+    loss, m = grpo_loss(lp, old, torch.tensor([1.0, -1.0]), mask,
+                        LossSettings(policy_loss=policy_loss, kl_estimator=kl_estimator,
+                                     dual_clip=3.0 if policy_loss == "clip" else 0.0),
+                        ref_logprobs=ref, beta=0.1)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
     assert lp.grad[:, 1].tolist() == [0.0, 0.0]  # padding gets no gradient (L3)
@@ -362,8 +370,8 @@ def test_masked_positions_may_hold_minus_inf(policy_loss, kl_estimator):
 def test_fully_masked_micro_batch_gives_zero_not_nan():
     lp = torch.randn(2, 3, requires_grad=True)
     for agg in ("token-mean", "seq-mean", "dr-grpo"):
-        loss, m = grpo_loss(lp, lp.detach(), torch.ones(2), torch.zeros(2, 3), loss_agg=agg,
-                            entropy=lp, entropy_coef=0.1)
+        loss, m = grpo_loss(lp, lp.detach(), torch.ones(2), torch.zeros(2, 3),
+                            LossSettings(loss_agg=agg, entropy_coef=0.1), entropy=lp)
         (g,) = torch.autograd.grad(loss, lp)
         assert loss.item() == 0.0 and g.abs().sum().item() == 0.0
         assert m["num_tokens"] == 0 and m["ratio"] == 0.0
@@ -380,9 +388,9 @@ def test_old_logprobs_are_detached():
 def test_bad_options_fail_clearly():
     lp = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="agg"):
-        grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 1), loss_agg="sum")
+        grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 1), LossSettings(loss_agg="sum"))
     with pytest.raises(ValueError, match="ratio_level"):
-        grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 1), ratio_level="seq")
+        grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 1), LossSettings(ratio_level="seq"))
 
 
 # ---------------------------------------------------------------- adaptive KL and LR schedule
@@ -544,7 +552,7 @@ def test_kl_estimators_hand_worked():
     with pytest.raises(ValueError, match="kl_estimator"):
         kl_estimate(z, d, mask, "k4")
     with pytest.raises(ValueError, match="policy_loss"):
-        grpo_loss(z, z, torch.ones(1), mask, policy_loss="ppo")
+        grpo_loss(z, z, torch.ones(1), mask, LossSettings(policy_loss="ppo"))
 
 
 def test_kl_estimators_agree_in_expectation_where_they_should():
@@ -568,7 +576,8 @@ def test_kl_estimators_agree_in_expectation_where_they_should():
 def test_dual_clip_frac_counts_the_bounded_tokens():
     lp = torch.log(torch.tensor([[5.0, 2.0, 5.0]], dtype=torch.float64))  # ratios against old = 0
     _, m = grpo_loss(lp, torch.zeros(1, 3, dtype=torch.float64),
-                     torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 3), dual_clip=3.0)
+                     torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 3),
+                     LossSettings(dual_clip=3.0))
     assert m["dual_clip_frac"] == pytest.approx(2 / 3)  # r = 5 twice above 3, r = 2 not
 
 

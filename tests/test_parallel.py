@@ -19,7 +19,7 @@ import torch
 
 import parallel
 from grpo import forward_logprobs, pad_batch
-from loss import grpo_loss
+from loss import LossSettings, grpo_loss
 from preflight import vllm_available
 from rollout import Completion
 
@@ -209,8 +209,8 @@ def test_padding_micro_batches_add_nothing(monkeypatch, tmp_path):
     assert t["mask"][2].sum() == 0 and t["attention"][2].sum() > 0 and t["advantages"][2] == 0
     ids, attention, mask, advantages = t["ids"], t["attention"], t["mask"], t["advantages"]
     lp, _ = forward_logprobs(policy, ids[[2]], attention[[2]], cfg, 1.0)
-    loss, _ = grpo_loss(lp, lp.detach(), advantages[[2]], mask[[2]], num_tokens=6, num_seqs=2,
-                        max_completion_len=4)
+    loss, _ = grpo_loss(lp, lp.detach(), advantages[[2]], mask[[2]],
+                        LossSettings(max_completion_len=4), num_tokens=6, num_seqs=2)
     loss.backward()
     assert loss.item() == 0 and torch.isfinite(lp).all()
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in policy.parameters())

@@ -1,0 +1,139 @@
+"""The code one training step runs, function by function in call order: how much a reader reads.
+
+    python -m dev.corridor                                   # the default run's second step
+    python -m dev.corridor --config config/tiny.py --engine=hf --step 1
+    python -m dev.corridor --table                           # every function, in call order
+
+Runs grpo.main with a profiler on from the start of step `--step` (default 1: step 0 also evaluates
+the base model) to the end of that step, and records each project function the first time it is
+called, in the trainer and in the processes it forks (the reward runner's children). Prints the
+lines (each function's whole source, a nested function counted with the one around it), the files,
+and the jumps: how often the next function met lies in another file than the one before. Library
+code (torch, vLLM, transformers) is not counted; neither is set-up before the step nor the final
+eval.
+"""
+
+import argparse
+import inspect
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SKIP = (os.path.join(ROOT, "tests") + os.sep, os.path.join(ROOT, "dev") + os.sep)
+
+
+def project_file(path):
+    """A file of the project's own code (not tests/ or dev/, not a library)."""
+    return os.path.isabs(path) and path.startswith(ROOT + os.sep) and not path.startswith(SKIP)
+
+
+def trace_step(argv, step, record_path):
+    """Run grpo.main(argv) and append (time, file, name, first line) of each project function called
+    during `step` to record_path, forked children included."""
+    sys.path.insert(0, ROOT)
+    import grpo
+
+    seen, on = set(), [False]
+    out = open(record_path, "a", buffering=1)  # a line per record: a forked child writes its own
+
+    def profiler(frame, event, arg):
+        if event != "call" or not on[0]:
+            return
+        code = frame.f_code
+        key = (code.co_filename, code.co_firstlineno, code.co_name)
+        if key in seen or code.co_name.startswith("<") or not project_file(code.co_filename):
+            return
+        seen.add(key)
+        out.write(f"{time.monotonic_ns()}\t{os.path.relpath(code.co_filename, ROOT)}\t"
+                  f"{code.co_qualname}\t{code.co_firstlineno}\n")
+
+    temperature_at, end_step = grpo.temperature_at, grpo.end_step
+
+    def start(s, cfg):  # the loop's first call of a step
+        on[0] = on[0] or s == step
+        return temperature_at(s, cfg)
+
+    def stop(cfg, s, *args, **kwargs):  # the loop's last call of a step
+        result = end_step(cfg, s, *args, **kwargs)
+        if s == step:
+            on[0] = False
+        return result
+
+    grpo.temperature_at, grpo.end_step = start, stop
+    sys.setprofile(profiler)
+    import threading
+    threading.setprofile(profiler)
+    try:
+        grpo.main(argv)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+        out.close()
+
+
+def read_records(path):
+    """The functions recorded, in call order, each once: (file, name, first line, lines)."""
+    rows = {}
+    with open(path) as f:
+        for line in f:
+            t, file, name, first = line.rstrip("\n").split("\t")
+            key = (file, name, int(first))
+            rows[key] = min(rows.get(key, int(t)), int(t))
+    ordered = sorted(rows, key=rows.get)
+    result, spans = [], []
+    for file, name, first in ordered:
+        lines = sources(file)
+        n = len(inspect.getblock(lines[first - 1:]))
+        inside = any(f == file and a <= first < a + m for f, a, m in spans)
+        if not inside:  # a nested function is read with the function around it
+            spans.append((file, first, n))
+            result.append((file, name, first, n))
+    return result
+
+
+_sources = {}
+
+
+def sources(file):
+    if file not in _sources:
+        with open(os.path.join(ROOT, file)) as f:
+            _sources[file] = f.readlines()
+    return _sources[file]
+
+
+def report(functions, table=False):
+    """Print the table (with --table) and the totals; return (lines, files, jumps)."""
+    jumps = sum(a[0] != b[0] for a, b in zip(functions, functions[1:]))
+    files = {}
+    for file, _, _, n in functions:
+        files[file] = files.get(file, 0) + n
+    if table:
+        print(f"{'#':>3}  {'file':<22} {'function':<40} {'lines':>5}")
+        for i, (file, name, first, n) in enumerate(functions):
+            print(f"{i:>3}  {file:<22} {name:<40} {n:>5}")
+    print(f"\n{'file':<22} {'lines':>5}")
+    for file, n in sorted(files.items(), key=lambda kv: -kv[1]):
+        print(f"{file:<22} {n:>5}")
+    lines = sum(files.values())
+    print(f"\none step: {lines} lines in {len(functions)} functions over {len(files)} files, "
+          f"{jumps} jumps between files")
+    return lines, len(files), jumps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step", type=int, default=1, help="the step traced (0 also evaluates)")
+    parser.add_argument("--table", action="store_true", help="print every function in call order")
+    args, rest = parser.parse_known_args()
+    out_dir = tempfile.mkdtemp(prefix="corridor_")
+    record = os.path.join(out_dir, "calls.tsv")
+    # one step more than the traced one: the last step's final eval and checkpoint are not a step's
+    argv = [*rest, f"--out_dir={out_dir}/run", f"--max_steps={args.step + 2}"]
+    trace_step(argv, args.step, record)
+    report(read_records(record), args.table)
+
+
+if __name__ == "__main__":
+    main()
