@@ -6,8 +6,20 @@ measured against its own group, and the same advantage is used for every token i
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """group_advantages' settings, by their config.py names and with its defaults (a test holds
+    the two equal). A run passes its Config, which has every one; a test or a fork builds one."""
+    adv_baseline: str = "mean"
+    adv_scale: str = "group"
+    adv_std_floor: float = 1e-4
+    adv_zero_std_groups: bool = False
+    adv_clip: float = 0.0
 
 
 def _groups(rewards, group_size):
@@ -18,11 +30,11 @@ def _groups(rewards, group_size):
     return rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)
 
 
-def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std_floor=1e-4,
-                     zero_std_groups=False, clip=0.0, batch_sum=None):
+def group_advantages(rewards, group_size, settings=AdvantageSettings(), *, batch_sum=None):
     """Advantage of each completion relative to its group: (r - baseline) / scale.
 
     rewards:  (N,) float, N = num_prompts * group_size, groups contiguous.
+    settings: AdvantageSettings, or the run's Config; below by their names less the adv_ prefix.
     baseline: "mean" (A1, GRPO) -> b = the group's mean reward
               "leave-one-out" (RLOO, Ahmadian et al. 2024) -> b_i = the mean of the other G - 1
               rewards; r_i - b_i = G / (G - 1) * (r_i - mean): GRPO's centred reward, scaled up
@@ -51,6 +63,8 @@ def group_advantages(rewards, group_size, *, baseline="mean", scale="group", std
       "leave-one-out" [2, -2/3, -2/3, -2/3]    [2, -2/3, -2/3, -2/3]    [1, -1/3, -1/3, -1/3]
     (The batch is this one group, so "batch" is "group"; leave-one-out is "mean" times G / (G - 1).)
     """
+    baseline, scale, std_floor = settings.adv_baseline, settings.adv_scale, settings.adv_std_floor
+    zero_std_groups, clip = settings.adv_zero_std_groups, settings.adv_clip
     groups = _groups(rewards, group_size)  # (P, G)
     if baseline not in ("mean", "leave-one-out") or scale not in ("group", "batch", "none"):
         raise ValueError(f"baseline must be 'mean' or 'leave-one-out' and scale 'group', 'batch' "

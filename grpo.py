@@ -867,9 +867,7 @@ def main(argv, wrap_engine=lambda engine: engine):
             continue
 
         # ---- advantages against each prompt's group (A1-A3): GRPO's replacement for a critic
-        advantages = group_advantages(batch.rewards, G, baseline=cfg.adv_baseline,
-                                      scale=cfg.adv_scale, std_floor=cfg.adv_std_floor,
-                                      zero_std_groups=cfg.adv_zero_std_groups, clip=cfg.adv_clip,
+        advantages = group_advantages(batch.rewards, G, cfg,  # the adv_* settings, by name
                                       batch_sum=parallel.all_sum)  # (N,) this rank's rows
 
         # ---- tensors, masks, micro-batches; the old and reference logprobs once (F1, L7)

@@ -9,7 +9,9 @@ import statistics
 import pytest
 import torch
 
-from advantage import group_advantages, group_stats
+from advantage import AdvantageSettings, group_advantages, group_stats
+
+BATCH_LOO = AdvantageSettings(adv_scale="batch", adv_baseline="leave-one-out")  # RLOO on TRL's std
 
 
 def naive_advantages(rewards, G, scale="group", std_floor=1e-4, zero_std_groups=False, clip=0.0):
@@ -38,7 +40,7 @@ def test_one_success_in_four():
 
 
 def test_mean_only_scale():
-    adv = group_advantages(torch.tensor([1.0, 0, 0, 0]), 4, scale="none")
+    adv = group_advantages(torch.tensor([1.0, 0, 0, 0]), 4, AdvantageSettings(adv_scale="none"))
     assert adv.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
 
 
@@ -53,9 +55,10 @@ def test_std_floor_and_zero_std_groups():
     # rewards 1e-6 apart: std 7.07e-7 is floored to 1e-4, so advantages are +-5e-7 / 1e-4 = +-0.005
     rewards = torch.tensor([0.0, 1e-6])
     assert group_advantages(rewards, 2).tolist() == pytest.approx([-0.005, 0.005], rel=1e-4)
-    assert group_advantages(rewards, 2, zero_std_groups=True).tolist() == [0.0, 0.0]
+    zeroed = AdvantageSettings(adv_zero_std_groups=True)
+    assert group_advantages(rewards, 2, zeroed).tolist() == [0.0, 0.0]
     # a group with real spread is untouched by zero_std_groups
-    spread = group_advantages(torch.tensor([0.0, 1.0]), 2, zero_std_groups=True)
+    spread = group_advantages(torch.tensor([0.0, 1.0]), 2, zeroed)
     assert spread.tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)])
 
 
@@ -64,7 +67,7 @@ def test_clip_after_normalising():
     rewards = torch.zeros(16)
     rewards[3] = 1.0
     assert group_advantages(rewards, 16)[3].item() == pytest.approx(3.75)
-    clipped = group_advantages(rewards, 16, clip=3.0)
+    clipped = group_advantages(rewards, 16, AdvantageSettings(adv_clip=3.0))
     assert clipped[3].item() == pytest.approx(3.0)
     assert clipped[0].item() == pytest.approx(-0.25)
 
@@ -78,7 +81,9 @@ def test_matches_naive_loop(scale, zero_std_groups, clip):
     rewards = torch.rand(10 * G, dtype=torch.float64).round(decimals=1)
     rewards[:G] = 0.5  # an all-equal group
     rewards[G : 2 * G] = 0.5 + torch.arange(G) * 1e-6  # a nearly-equal group
-    got = group_advantages(rewards, G, scale=scale, zero_std_groups=zero_std_groups, clip=clip)
+    settings = AdvantageSettings(adv_scale=scale, adv_zero_std_groups=zero_std_groups,
+                                 adv_clip=clip)
+    got = group_advantages(rewards, G, settings)
     want = naive_advantages(rewards.tolist(), G, scale, 1e-4, zero_std_groups, clip)
     assert got.tolist() == pytest.approx(want, abs=1e-9)
 
@@ -86,7 +91,7 @@ def test_matches_naive_loop(scale, zero_std_groups, clip):
 @pytest.mark.parametrize("scale", ["group", "none"])
 def test_advantages_sum_to_zero_per_group(scale):
     torch.manual_seed(1)
-    adv = group_advantages(torch.randn(40), 8, scale=scale)
+    adv = group_advantages(torch.randn(40), 8, AdvantageSettings(adv_scale=scale))
     assert adv.view(5, 8).sum(1).abs().max().item() < 1e-5
     assert adv.abs().sum().item() > 1.0  # not trivially zero
 
@@ -95,7 +100,7 @@ def test_clip_bounds_hold():
     torch.manual_seed(2)
     rewards = torch.zeros(64)
     rewards[::32] = 1.0  # one success per group of 32: winner gets ~5.4 std units
-    adv = group_advantages(rewards, 32, clip=2.5)
+    adv = group_advantages(rewards, 32, AdvantageSettings(adv_clip=2.5))
     assert adv.max().item() == pytest.approx(2.5)
     assert adv.min().item() >= -2.5
 
@@ -104,9 +109,9 @@ def test_bad_shape_says_what_is_wrong():
     with pytest.raises(ValueError, match="num_prompts"):
         group_advantages(torch.zeros(10), 4)
     with pytest.raises(ValueError, match="scale"):
-        group_advantages(torch.zeros(4), 4, scale="global")
+        group_advantages(torch.zeros(4), 4, AdvantageSettings(adv_scale="global"))
     with pytest.raises(ValueError, match="baseline"):
-        group_advantages(torch.zeros(4), 4, baseline="median")
+        group_advantages(torch.zeros(4), 4, AdvantageSettings(adv_baseline="median"))
 
 
 def test_group_stats_hand_worked():
@@ -150,18 +155,19 @@ def test_every_baseline_and_scale_on_one_group_hand_worked():
             ("leave-one-out", "batch"): [2, -2 / 3, -2 / 3, -2 / 3],
             ("leave-one-out", "none"): [1, -1 / 3, -1 / 3, -1 / 3]}
     for (baseline, scale), expected in want.items():
-        adv = group_advantages(r, 4, baseline=baseline, scale=scale)
+        adv = group_advantages(r, 4, AdvantageSettings(adv_baseline=baseline, adv_scale=scale))
         assert adv.tolist() == pytest.approx(expected)
 
 
 def test_leave_one_out_against_a_naive_loop_and_it_sums_to_zero():
     g = torch.Generator().manual_seed(0)
     rewards = torch.rand(6 * 5, generator=g)
-    adv = group_advantages(rewards, 5, baseline="leave-one-out", scale="none")
+    adv = group_advantages(rewards, 5,
+                           AdvantageSettings(adv_baseline="leave-one-out", adv_scale="none"))
     assert adv.tolist() == pytest.approx(naive_rloo(rewards.tolist(), 5), abs=1e-6)
     assert adv.view(6, 5).sum(dim=1).abs().max() < 1e-6  # RLOO advantages sum to 0 in every group
     # = the mean baseline's times G / (G - 1)
-    mean_adv = group_advantages(rewards, 5, scale="none")
+    mean_adv = group_advantages(rewards, 5, AdvantageSettings(adv_scale="none"))
     assert adv.tolist() == pytest.approx((mean_adv * 5 / 4).tolist(), abs=1e-6)
 
 
@@ -179,7 +185,7 @@ def test_batch_scale_is_trls_std_of_the_batchs_rewards():
     # by hand: mean 9/8, squared deviations sum to 71/8, unbiased variance 71/56; the std of the
     # centred rewards (2.75/7) would give advantages 1.8x larger
     std = math.sqrt(71 / 56)
-    batch = group_advantages(rewards, 4, scale="batch")
+    batch = group_advantages(rewards, 4, AdvantageSettings(adv_scale="batch"))
     assert batch.tolist() == pytest.approx([c / std for c in centred], abs=1e-6)
     # a group's own std no longer matters: the two groups' advantages keep their raw ratio
     assert batch[4].item() / batch[0].item() == pytest.approx(1 / 0.75)
@@ -187,13 +193,13 @@ def test_batch_scale_is_trls_std_of_the_batchs_rewards():
     g = torch.Generator().manual_seed(0)
     for rewards in (torch.rand(6 * 4, generator=g), (torch.rand(5 * 8, generator=g) > 0.7).float()):
         G = 4 if len(rewards) == 24 else 8
-        ours = group_advantages(rewards, G, scale="batch")
+        ours = group_advantages(rewards, G, AdvantageSettings(adv_scale="batch"))
         trl = naive_trl_batch_scale(rewards.tolist(), G)
         rel = 1e-4 / statistics.stdev(rewards.tolist()) + 1e-6
         assert ours.tolist() == pytest.approx(trl, rel=rel, abs=1e-6)
     # leave-one-out keeps its G / (G - 1) factor: the std is the rewards', not the advantages'
-    loo = group_advantages(rewards, 8, scale="batch", baseline="leave-one-out")
-    batch = group_advantages(rewards, 8, scale="batch")
+    loo = group_advantages(rewards, 8, BATCH_LOO)
+    batch = group_advantages(rewards, 8, AdvantageSettings(adv_scale="batch"))
     assert loo.tolist() == pytest.approx((batch * 8 / 7).tolist(), abs=1e-6)
 
 
@@ -201,7 +207,7 @@ def test_batch_std_over_two_ranks_is_the_one_process_std():
     """Under torchrun each rank holds some groups; batch_sum
     (parallel.all_sum) makes the std the global one."""
     rewards = torch.tensor([1.0, 0, 0, 0, 3, 1, 2, 2, 5, 5, 0, 1])
-    one = group_advantages(rewards, 4, scale="batch", baseline="leave-one-out")
+    one = group_advantages(rewards, 4, BATCH_LOO)
     halves = rewards[:4], rewards[4:]
     # each rank's rewards
     stats = [(h.numel(), h.sum().item(), (h.double() ** 2).sum().item()) for h in halves]
@@ -211,8 +217,7 @@ def test_batch_std_over_two_ranks_is_the_one_process_std():
         def all_sum(x, rank=rank, calls=calls):
             return x + stats[1 - rank][next(calls)]  # this rank's share plus the other rank's
 
-        got = group_advantages(halves[rank], 4, scale="batch", baseline="leave-one-out",
-                               batch_sum=all_sum)
+        got = group_advantages(halves[rank], 4, BATCH_LOO, batch_sum=all_sum)
         assert got.tolist() == pytest.approx(one[:4].tolist() if rank == 0 else one[4:].tolist())
 
 
@@ -229,9 +234,10 @@ def test_equal_rewards_give_exactly_zero_in_float32(G, baseline, scale):
     plain formula's values."""
     values = [1.05, 0.3, 0.7, -0.2, 1.1, 0.1 + 1.0]
     flat = torch.tensor([v for v in values for _ in range(G)])
-    assert (group_advantages(flat, G, baseline=baseline, scale=scale) == 0).all()
+    settings = AdvantageSettings(adv_baseline=baseline, adv_scale=scale)
+    assert (group_advantages(flat, G, settings) == 0).all()
     mixed = torch.cat([torch.full((G,), 1.05), torch.tensor([1.0] + [0.0] * (G - 1))])
-    got = group_advantages(mixed, G, baseline=baseline, scale=scale)
+    got = group_advantages(mixed, G, settings)
     assert (got[:G] == 0).all()
     if scale == "group" and baseline == "mean":
         assert got[G:].tolist() == pytest.approx(naive_advantages(mixed[G:].tolist(), G), abs=1e-6)

@@ -52,14 +52,15 @@ def clip_grad(cfg):
     return torch.autograd.grad(loss, lp)[0].item()
 
 
-def test_the_loss_settings_are_configs_by_name_and_default():
-    """grpo_loss takes the run's Config as its settings: every LossSettings field is a setting of
-    the same name, with the same default (max_completion_len excepted: the loss's None is the
-    micro-batch's width)."""
+def test_the_loss_and_advantage_settings_are_configs_by_name_and_default():
+    """grpo_loss and group_advantages take the run's Config as their settings: every field of
+    LossSettings and AdvantageSettings is a setting of the same name, with the same default
+    (max_completion_len excepted: the loss's None is the micro-batch's width)."""
+    from advantage import AdvantageSettings
     from loss import LossSettings
 
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
-    for f in dataclasses.fields(LossSettings):
+    for f in dataclasses.fields(LossSettings) + dataclasses.fields(AdvantageSettings):
         assert f.name in defaults, f.name
         if f.name != "max_completion_len":
             assert f.default == defaults[f.name], f.name
