@@ -1056,3 +1056,18 @@ def test_the_zero_gradient_shortcut_keeps_the_whole_run(tmp_path):
               "sampler_logprob_diff_max"}
     found = compare(runs[True], runs[False], ignore=ignore)
     assert found == {"metrics.jsonl": [], "samples.jsonl": []}
+
+
+def test_the_phase_list_is_the_loops_order_and_the_readmes():
+    """grpo.py's docstring lists the phases of a step; main's loop calls them in that order, and the
+    README shows the same list (one text, not two that drift)."""
+    import inspect
+
+    listed = grpo.__doc__.split("one named function a phase:\n", 1)[1].split("\n\n", 1)[0]
+    listed = [line[4:] for line in listed.splitlines()]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read().split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    assert readme == listed
+    loop = inspect.getsource(grpo.main).split("for step in range", 1)[1]
+    where = [loop.find(line.split()[0] + "(") for line in listed]
+    assert -1 not in where and where == sorted(where), list(zip(listed, where))
