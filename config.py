@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Config:
     """Every setting. The defaults are `python grpo.py`: SmolLM2-135M-Instruct learning 2-digit
-    addition in 5-7 minutes on 2 CPU cores (README); a run file in config/ sets only what differs."""
+    addition in 5-7 minutes on 2 CPU cores; a run file in config/ sets only what differs."""
 
     # ---- run ----
     model: str = "smollm2-135m"  # HF name or folder; default: SmolLM2-135M-Instruct; "tiny": tests

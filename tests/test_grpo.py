@@ -1069,5 +1069,5 @@ def test_the_phase_list_is_the_loops_order_and_the_readmes():
         readme = f.read().split("```text\n", 1)[1].split("```", 1)[0].splitlines()
     assert readme == listed
     loop = inspect.getsource(grpo.main).split("for step in range", 1)[1]
-    where = [loop.find(line.split()[0] + "(") for line in listed]
+    where = [loop.rfind(line.split()[0] + "(") for line in listed]  # end_step: the last call
     assert -1 not in where and where == sorted(where), list(zip(listed, where))
