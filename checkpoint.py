@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 import parallel
-from config import ConfigError, save_config
+from config import Config, ConfigError, save_config
 
 
 @dataclass
@@ -282,44 +282,29 @@ def checkpoint_step(folder):
                           "move it out of out_dir") from None
 
 
-# What makes a run the run it is. A resume with one of these changed would continue some other run
-# from this one's weights, optimizer state and place in the data, so it is refused unless
-# resume_changed=True. The rest may change on resume: the run's length (max_steps), eval, logging,
-# checkpoints, max_prompt_len (a bound every prompt is checked against), and how a step is computed
-# (engine, device, dtype, micro-batches, memory, deadlines): speed, memory or rounding, not the aim.
-RUN_SETTINGS = (
-    # the weights a checkpoint holds, and the base they apply to under LoRA
-    "model", "init_from", "lora_rank", "lora_alpha",
-    # the problems (D1): the sampler's saved state indexes them; other problems, another data order
-    "task", "data_path", "data_name", "data_columns", "data_seed", "train_size",
-    "countdown_numbers", "countdown_max_number", "countdown_max_target",
-    "math_kinds", "math_max_number", "rg_dataset",
-    # the data order and sampling seeds (D3), and the curriculum's buckets (D2)
-    "seed", "curriculum", "curriculum_easy_above", "curriculum_hard_below", "curriculum_ramp_steps",
-    # the batch and the updates per batch (R3, L7)
-    "group_size", "batch_size", "mini_batches", "num_iterations",
-    # what is sampled and which groups train (R4-R7), and what a rollout may do (tools)
-    "max_completion_len", "temperature", "temperature_end", "top_p", "top_k", "mask_truncated",
-    "dynamic_sampling", "dynamic_sampling_rounds", "drop_zero_std_groups",
-    "tools", "max_tool_calls", "tool_output_chars", "tool_open", "tool_close", "max_turns",
-    "env_reward",
-    # the reward (W1-W3): what is learned
-    "format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty", "reward_weights",
-    "length_soft_limit", "length_penalty", "length_penalty_tokens", "length_min",
-    "math_last_number", "tool_error_penalty",
-    # the objective (A1-A3, L1-L8, R2)
-    "adv_baseline", "adv_scale", "adv_std_floor", "adv_zero_std_groups", "adv_clip",
-    "clip_eps", "clip_eps_high", "loss_agg", "ratio_level", "policy_loss", "dual_clip",
-    "sapo_tau_pos", "sapo_tau_neg", "entropy_coef", "entropy_top_quantile",
-    "is_correction", "is_mode", "is_cap", "is_seq_cap", "is_floor", "old_logprobs",
-    # R8: how old the weights of a batch are
-    "async_rollouts", "max_staleness",
-    # the KL term (L4, F1, F2); a resume takes beta from the checkpoint: a new one would go unseen
-    "beta", "kl_estimator", "ref_refresh_steps",
-    "adaptive_kl", "kl_window", "kl_high", "kl_low", "kl_up", "kl_down",
-    # the optimizer and its schedule (O1, O2)
-    "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "adam_betas", "grad_clip",
+# What makes a run the run it is (RUN_SETTINGS): a resume with one of these changed would continue
+# some other run from this one's weights, optimizer state and place in the data, so it is refused
+# unless resume_changed=True. It is every setting but these, which may change on resume: the run's
+# length, eval, logging, checkpoints, max_prompt_len (a bound every prompt is checked against), and
+# how a step is computed (engine, device, dtype, micro-batches, memory, deadlines): speed, memory or
+# rounding, not the aim. A new setting is the run's unless it is named here.
+FREE_SETTINGS = (
+    # where the run lives and how long it goes on (max_steps: a resume may extend a run)
+    "out_dir", "max_steps", "resume", "resume_changed", "eval_only", "save_every",
+    "keep_checkpoints",
+    # what is measured and logged (M1, M2, W6)
+    "eval_every", "eval_n", "eval_in_run_sampled", "eval_tasks", "test_size", "sample_every",
+    "sample_groups", "wandb_project", "tensorboard", "parity_warn", "max_nonfinite",
+    # the machine and the engine: the same numbers, computed elsewhere or faster (R1, O3, O5, L6)
+    "engine", "device", "dtype", "parallel", "vllm_tensor_parallel", "device_memory_gb",
+    "gpu_memory_utilization", "vllm_cpu_kv_cache_gb", "vllm_sleep_level", "push_bucket_mb",
+    "micro_batch_tokens", "shared_prompt", "skip_zero_gradient", "tail_runs", "fused_logprobs",
+    "chunked_logprobs", "gradient_checkpointing", "cpu_keep_memory", "ref_offload",
+    # the guards around outside code: deadlines, workers, the sandbox, the prompt's bound
+    "reward_timeout", "reward_workers", "tool_timeout", "env_timeout", "sandbox", "max_prompt_len",
 )
+RUN_SETTINGS = tuple(f.name for f in dataclasses.fields(Config)
+                     if f.init and f.name not in FREE_SETTINGS)
 
 
 def changed_settings(cfg, saved):

@@ -101,3 +101,28 @@ def test_a_path_setting_written_two_ways_is_the_same_run(tmp_path, monkeypatch):
     assert changed_settings(load_config(overrides=["--task=tasks/digits.py"]), saved) == []
     other = load_config(overrides=["--task=tasks/larger.py"])
     assert changed_settings(other, saved) == [("task", "./tasks/digits.py", "tasks/larger.py")]
+
+
+def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
+    """RUN_SETTINGS is every setting but FREE_SETTINGS (a new setting is the run's unless named
+    there): the loss's and the advantage's settings, the reward's, the sampling's, the data's, the
+    optimizer's are all in it; the free ones are settings, none misspelt."""
+    import dataclasses
+
+    import config
+    from advantage import AdvantageSettings
+    from checkpoint import FREE_SETTINGS, RUN_SETTINGS
+    from loss import LossSettings
+
+    names = {f.name for f in dataclasses.fields(config.Config) if f.init}
+    assert set(FREE_SETTINGS) <= names
+    assert set(RUN_SETTINGS) == names - set(FREE_SETTINGS)
+    fields = dataclasses.fields(LossSettings) + dataclasses.fields(AdvantageSettings)
+    objective = {f.name for f in fields}
+    learned = {*objective, *config.REWARD_KEYS, "reward_weights", "model", "init_from", "lora_rank",
+               "task", "data_path", "seed", "group_size", "batch_size", "num_iterations",
+               "mini_batches", "temperature", "top_p", "top_k", "beta", "kl_estimator", "lr",
+               "warmup_steps", "min_lr_ratio", "weight_decay", "adam_betas", "grad_clip",
+               "dynamic_sampling", "mask_truncated", "is_correction", "old_logprobs",
+               "async_rollouts", "max_staleness", "tools", "max_turns", "env_reward"}
+    assert learned <= set(RUN_SETTINGS), learned - set(RUN_SETTINGS)
