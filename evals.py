@@ -1,4 +1,5 @@
-"""Evaluation's pieces beside grpo.evaluate (M2): the estimators, the eval sets, eval_only's table.
+"""Evaluation (M2): evaluate an eval set, when evals are due, eval_only; the estimators, the eval
+sets, eval_only's table.
 
     avg@n    the mean "correct" over n samples a problem
     pass@k   the unbiased estimator of Chen et al. 2021, for the k of pass_ks(n)
@@ -7,14 +8,118 @@
 
 import collections
 import copy
+import json
 import math
 import os
+import sys
+import time
 import warnings
 
 import torch
 
+import log
+import parallel
 from config import ConfigError
-from task import check_sandbox, check_task_output, load_problems, load_task, score
+from model import push_weights_iter
+from rollout import row_seeds
+from task import check_sandbox, check_task_output, load_problems, load_task, multi_turn, score
+
+
+def evaluate(engine, test, cfg, seed, sampled=True):
+    """M2 on one eval set: pass@1 with greedy decoding; avg@n, pass@k and maj@n from n = eval_n
+    samples per problem at the training temperature (sampled_metrics); format.
+
+    reward: the greedy answers' mean shaped reward. parsed: the share of greedy answers given in a
+    tag or a box (what unparsed_penalty rewards). The accuracies need the task to report "correct",
+    format and parsed "format" and "parsed". Keys: eval/... for the training task's test split,
+    eval/<name>/... for a set of eval_tasks. Returns (metrics, greedy completion texts). Under
+    torchrun every rank evaluates the whole set alike (FSDP keeps the ranks in step); rank 0 logs
+    it.
+    """
+    n, prompts, stop = cfg.eval_n, test.prompt_ids, test.task.stop or None
+    # each set's own seeds, the same at every eval: evals differ by the weights alone
+    stream = (seed, "eval", test.name) if test.name else (seed, "eval")
+    seeds = row_seeds(stream, 0, len(prompts), n)
+    bar = sys.stdout.isatty()  # a progress bar on a terminal
+    made_of = {"task": test.task, "problems": test.problems}  # an environment's episodes need them
+    greedy = engine.generate(prompts, 1, seeds=seeds[::n], temperature=0.0, top_p=1.0, top_k=-1,
+                             max_tokens=cfg.max_completion_len, stop=stop, progress=bar, **made_of)
+    texts = [g[0].text for g in greedy]
+    lengths = [len(g[0].completion_ids) for g in greedy]
+    rewards, comps = score(test.task, texts, test.problems, lengths, cfg,
+                           [g[0].completion_ids for g in greedy],
+                           [g[0].env_rewards for g in greedy])
+    out = {"reward": log.scored(rewards).mean().item()}
+    if "correct" in comps:
+        out["pass@1_greedy"] = (comps["correct"] >= 1).float().mean().item()
+    # every rank generates the same calls whatever the rewards say (FSDP's HF engine: lockstep)
+    if sampled:  # n samples per problem: 4 to 100 times the greedy pass's cost
+        rows = engine.generate(prompts, n, seeds=seeds, temperature=cfg.temperature,
+                               top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
+                               stop=stop, progress=bar, **made_of)
+        if "correct" in comps:
+            out.update(sampled_metrics(test, rows, cfg))
+    for name in ("format", "parsed"):
+        if name in comps:
+            out[name] = comps[name].mean().item()
+    out["response_length"] = sum(lengths) / len(greedy)
+    if multi_turn(cfg, test.task):  # the greedy answers that called the tool (or environment)
+        out["tools/share_using"] = sum(g[0].tool_calls > 0 for g in greedy) / len(greedy)
+    prefix = f"eval/{test.name}/" if test.name else "eval/"
+    return {prefix + k: v for k, v in out.items()}, texts
+
+
+def evaluate_all(engine, eval_sets, cfg, sampled=True):
+    """evaluate() on each set, the training task's test split first: (all their metrics, {set's
+    name: its greedy completion texts})."""
+    metrics, texts = {}, {}
+    for split in eval_sets:
+        try:
+            found, texts[split.name] = evaluate(engine, split, cfg, cfg.seed, sampled)
+        except FloatingPointError as e:  # the HF engine's logits (rollout.sample_next)
+            raise log.diverged(cfg, f"eval: {e}") from None
+        metrics.update(found)
+    return metrics, texts
+
+
+def eval_is_due(cfg, step):
+    """M2 before this step's update: every eval_every steps (step 0: the base model); the last one
+    comes after the last update, in end_step."""
+    return bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.max_steps - 1
+
+
+def eval_due(engine, eval_sets, cfg, step):
+    """M2's metrics before this step's update, where eval_is_due; else {}."""
+    if not eval_is_due(cfg, step):
+        return {}
+    start = time.perf_counter()
+    # greedy only unless asked: the in-run evals draw the curve, the final one is full
+    metrics = evaluate_all(engine, eval_sets, cfg, sampled=cfg.eval_in_run_sampled)[0]
+    return {**metrics, "eval/updates": step, "time/eval": time.perf_counter() - start}
+
+
+def wake_and_evaluate(engine, policy, eval_sets, cfg):
+    """M2 on the policy as it is now: pushed into the engine, every eval set; their metrics."""
+    engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
+    return evaluate_all(engine, eval_sets, cfg)[0]
+
+
+def eval_only(cfg, engine, policy, eval_sets):
+    """M2 on the weights as they are (the model, or init_from): a table of every eval set; all of
+    it, with a few examples to read, appended to eval.jsonl."""
+    engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
+    metrics, texts = evaluate_all(engine, eval_sets, cfg)
+    results = {"weights": cfg.init_from or cfg.model, **metrics}
+    for split in eval_sets:
+        results[f"examples/{split.name}" if split.name else "examples"] = [
+            {"prompt": split.task.prompt(p), "completion": t}
+            for p, t in zip(split.problems[:4], texts[split.name])]
+    path = os.path.join(cfg.out_dir, "eval.jsonl")
+    if parallel.rank() == 0:
+        with open(path, "a") as f:
+            f.write(json.dumps(results) + "\n")
+    print(eval_table(eval_sets, metrics, cfg.task))
+    print(f"weights {results['weights']}: every metric and a few examples appended to {path}")
 
 
 def pass_at_k(n, c, k):

@@ -33,16 +33,14 @@ Where this departs from the GRPO paper (each is a setting in config.py):
     filter and refill (R7), clip-higher, overlong masking, GSPO's sequence-level ratio and length
     shaping are off by default.
 
-Read second: prepare.py (setting up a run), evals.py (pass@k, maj@n, eval sets), log.py (metrics),
-and the optional machinery, one setting each: tools.py (tools), environment.py (a task file's
-environment or TOOLS: rollouts in turns), perf/ (each prompt once, chunked and fused logprobs, the
-CPU settings).
+Read second: prepare.py (setting up a run), evals.py (the evals: pass@k, maj@n, eval sets), log.py
+(metrics), and the optional machinery, one setting each: tools.py (tools), environment.py (a task
+file's environment or TOOLS: rollouts in turns), perf/ (each prompt once, chunked and fused
+logprobs, the CPU settings).
 """
 
 import functools
-import json
 import math
-import os
 import random
 import sys
 import time
@@ -57,27 +55,16 @@ from advantage import group_advantages, group_stats
 from async_rollouts import AsyncRollouts, Phases, load_pending
 from checkpoint import TrainState, load_checkpoint, save_checkpoint
 from config import ConfigError
-from evals import eval_table, sampled_metrics
-from log import Logger, dump_samples, memory_gb, timed
+from evals import eval_due, eval_is_due, eval_only, evaluate_all, wake_and_evaluate
+from log import Diverged, Logger, diverged, dump_samples, memory_gb, timed
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
 from model import push_weights_iter, sequence_logprobs
 from perf import shared_prompt
 from prepare import Split, build_models, eval_split, make_engine, make_sampler, prepare_run
-from rollout import derive_seed
+from rollout import row_seeds
 from task import multi_turn, score, tokenize_prompts
 
 # ---------------------------------------------------------------- seeds
-
-
-def row_seeds(key, first, count, n):
-    """One seed per row: n rows for each of `count` prompts at global slots first, first + 1, ...
-
-    Row j of slot i gets derive_seed(*key, i, j): a hash of the run's seed, the stream (a training
-    step, or eval), the prompt's place in the step's global batch and the row's place in its group.
-    Never the rank or the run's history: a resumed run, or N ranks, sample what one straight run
-    does, and no two rows of a run, nor two turns of a tool rollout (tools.turn_seed), share a seed.
-    """
-    return [derive_seed(*key, slot, j) for slot in range(first, first + count) for j in range(n)]
 
 
 def sampling_seeds(cfg, step, first, count):
@@ -182,18 +169,6 @@ class Rollouts:
             score_seconds=self.score_seconds,
             tool_seconds=self.tool_seconds,
         )
-
-
-class Diverged(RuntimeError):
-    """The policy's outputs or updates are no longer finite: the run stops, saying why."""
-
-
-def diverged(cfg, what):
-    """Diverged, naming its likely cause (L6)."""
-    return Diverged(f"{what}: the policy's weights have diverged. The likely cause is the learning "
-                    f"rate, lr={cfg.lr:g} (usual: 1e-6 to 1e-5 for full fine-tuning of a 1-8B "
-                    "model, up to ~1e-4 with LoRA or a ~100M model); lower it and go on from the "
-                    "last checkpoint: --resume=true --resume_changed=true --lr=...")
 
 
 def generate_and_score(engine, train, idx, seeds, cfg, temperature):
@@ -666,106 +641,6 @@ def adapt_beta(state, kl, cfg):
         state.beta = adaptive_kl_beta(state.beta, mean_kl, high=cfg.kl_high, low=cfg.kl_low,
                                       up=cfg.kl_up, down=cfg.kl_down)
         state.kl_history = []
-
-
-# ---------------------------------------------------------------- eval (M2)
-
-
-def evaluate(engine, test, cfg, seed, sampled=True):
-    """M2 on one eval set: pass@1 with greedy decoding; avg@n, pass@k and maj@n from n = eval_n
-    samples per problem at the training temperature (sampled_metrics); format.
-
-    reward: the greedy answers' mean shaped reward. parsed: the share of greedy answers given in a
-    tag or a box (what unparsed_penalty rewards). The accuracies need the task to report "correct",
-    format and parsed "format" and "parsed". Keys: eval/... for the training task's test split,
-    eval/<name>/... for a set of eval_tasks. Returns (metrics, greedy completion texts). Under
-    torchrun every rank evaluates the whole set alike (FSDP keeps the ranks in step); rank 0 logs
-    it.
-    """
-    n, prompts, stop = cfg.eval_n, test.prompt_ids, test.task.stop or None
-    # each set's own seeds, the same at every eval: evals differ by the weights alone
-    stream = (seed, "eval", test.name) if test.name else (seed, "eval")
-    seeds = row_seeds(stream, 0, len(prompts), n)
-    bar = sys.stdout.isatty()  # a progress bar on a terminal
-    made_of = {"task": test.task, "problems": test.problems}  # an environment's episodes need them
-    greedy = engine.generate(prompts, 1, seeds=seeds[::n], temperature=0.0, top_p=1.0, top_k=-1,
-                             max_tokens=cfg.max_completion_len, stop=stop, progress=bar, **made_of)
-    texts = [g[0].text for g in greedy]
-    lengths = [len(g[0].completion_ids) for g in greedy]
-    rewards, comps = score(test.task, texts, test.problems, lengths, cfg,
-                           [g[0].completion_ids for g in greedy],
-                           [g[0].env_rewards for g in greedy])
-    out = {"reward": log.scored(rewards).mean().item()}
-    if "correct" in comps:
-        out["pass@1_greedy"] = (comps["correct"] >= 1).float().mean().item()
-    # every rank generates the same calls whatever the rewards say (FSDP's HF engine: lockstep)
-    if sampled:  # n samples per problem: 4 to 100 times the greedy pass's cost
-        rows = engine.generate(prompts, n, seeds=seeds, temperature=cfg.temperature,
-                               top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
-                               stop=stop, progress=bar, **made_of)
-        if "correct" in comps:
-            out.update(sampled_metrics(test, rows, cfg))
-    for name in ("format", "parsed"):
-        if name in comps:
-            out[name] = comps[name].mean().item()
-    out["response_length"] = sum(lengths) / len(greedy)
-    if multi_turn(cfg, test.task):  # the greedy answers that called the tool (or environment)
-        out["tools/share_using"] = sum(g[0].tool_calls > 0 for g in greedy) / len(greedy)
-    prefix = f"eval/{test.name}/" if test.name else "eval/"
-    return {prefix + k: v for k, v in out.items()}, texts
-
-
-def evaluate_all(engine, eval_sets, cfg, sampled=True):
-    """evaluate() on each set, the training task's test split first: (all their metrics, {set's
-    name: its greedy completion texts})."""
-    metrics, texts = {}, {}
-    for split in eval_sets:
-        try:
-            found, texts[split.name] = evaluate(engine, split, cfg, cfg.seed, sampled)
-        except FloatingPointError as e:  # the HF engine's logits (rollout.sample_next)
-            raise diverged(cfg, f"eval: {e}") from None
-        metrics.update(found)
-    return metrics, texts
-
-
-def eval_is_due(cfg, step):
-    """M2 before this step's update: every eval_every steps (step 0: the base model); the last one
-    comes after the last update, in end_step."""
-    return bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.max_steps - 1
-
-
-def eval_due(engine, eval_sets, cfg, step):
-    """M2's metrics before this step's update, where eval_is_due; else {}."""
-    if not eval_is_due(cfg, step):
-        return {}
-    start = time.perf_counter()
-    # greedy only unless asked: the in-run evals draw the curve, the final one is full
-    metrics = evaluate_all(engine, eval_sets, cfg, sampled=cfg.eval_in_run_sampled)[0]
-    return {**metrics, "eval/updates": step, "time/eval": time.perf_counter() - start}
-
-
-def wake_and_evaluate(engine, policy, eval_sets, cfg):
-    """M2 on the policy as it is now: pushed into the engine, every eval set; their metrics."""
-    engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
-    return evaluate_all(engine, eval_sets, cfg)[0]
-
-
-def eval_only(cfg, engine, policy, eval_sets):
-    """M2 on the weights as they are (the model, or init_from): a table of every eval set; all of
-    it, with a few examples to read, appended to eval.jsonl."""
-    engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
-    metrics, texts = evaluate_all(engine, eval_sets, cfg)
-    results = {"weights": cfg.init_from or cfg.model, **metrics}
-    for split in eval_sets:
-        results[f"examples/{split.name}" if split.name else "examples"] = [
-            {"prompt": split.task.prompt(p), "completion": t}
-            for p, t in zip(split.problems[:4], texts[split.name])]
-    path = os.path.join(cfg.out_dir, "eval.jsonl")
-    if parallel.rank() == 0:
-        with open(path, "a") as f:
-            f.write(json.dumps(results) + "\n")
-    print(eval_table(eval_sets, metrics, cfg.task))
-    print(f"weights {results['weights']}: every metric and a few examples appended to {path}")
 
 
 def end_step(cfg, step, metrics, t_step, final_eval, logger, save):

@@ -271,3 +271,15 @@ def warn_on_parity(metrics, cfg, step, next_warning):
           "skipped, or weights reloaded from disk), a temperature mismatch, or top_p/top_k < 1 "
           "(the trainer does not truncate)")
     return step + 10
+
+
+class Diverged(RuntimeError):
+    """The policy's outputs or updates are no longer finite: the run stops, saying why."""
+
+
+def diverged(cfg, what):
+    """Diverged, naming its likely cause (L6)."""
+    return Diverged(f"{what}: the policy's weights have diverged. The likely cause is the learning "
+                    f"rate, lr={cfg.lr:g} (usual: 1e-6 to 1e-5 for full fine-tuning of a 1-8B "
+                    "model, up to ~1e-4 with LoRA or a ~100M model); lower it and go on from the "
+                    "last checkpoint: --resume=true --resume_changed=true --lr=...")

@@ -51,12 +51,23 @@ def derive_seed(*key):
     return int.from_bytes(digest, "little") >> 1
 
 
+def row_seeds(key, first, count, n):
+    """One seed per row: n rows for each of `count` prompts at global slots first, first + 1, ...
+
+    Row j of slot i gets derive_seed(*key, i, j): a hash of the run's seed, the stream (a training
+    step, or eval), the prompt's place in the step's global batch and the row's place in its group.
+    Never the rank or the run's history: a resumed run, or N ranks, sample what one straight run
+    does, and no two rows of a run, nor two turns of a tool rollout (tools.turn_seed), share a seed.
+    """
+    return [derive_seed(*key, slot, j) for slot in range(first, first + count) for j in range(n)]
+
+
 def check_seeds(prompts, n, seeds):
     """Both engines take one seed per row (prompt-major): a clear error for any other count, before
     an engine indexes past the list or vLLM refuses unequal prompts and sampling settings."""
     if len(seeds) != len(prompts) * n:
         raise ValueError(f"seeds: one per row, {len(prompts)} prompts x n={n} = "
-                         f"{len(prompts) * n}; got {len(seeds)} (grpo.row_seeds makes them)")
+                         f"{len(prompts) * n}; got {len(seeds)} (row_seeds makes them)")
 
 
 def stop_tokens(tokenizer, generation_config):

@@ -145,7 +145,7 @@ def test_evaluate_reports_avg_pass_and_maj_worked_by_hand(tmp_path):
     mean(1, 3/4, 1) = 11/12; pass@4 = 1. Majorities: "7" right, "5" wrong, "5"/"1" tied -> 1/2."""
     cfg, toy = toy_split(tmp_path)
     engine = Scripted(GREEDY, SAMPLED)
-    metrics, texts = grpo.evaluate(engine, toy, cfg, seed=1)
+    metrics, texts = evals.evaluate(engine, toy, cfg, seed=1)
     assert texts == GREEDY
     want = {"reward": 2 / 3, "pass@1_greedy": 2 / 3, "avg@4": 5 / 12,
             "mean_correct_sampled": 5 / 12, "pass@1": 5 / 12, "pass@2": 13 / 18, "pass@3": 11 / 12,
@@ -158,7 +158,7 @@ def test_evaluate_reports_avg_pass_and_maj_worked_by_hand(tmp_path):
     assert calls == [(1, 0.0, ["."]), (4, cfg.temperature, ["."])]
     plain = Scripted(GREEDY, SAMPLED)  # as the training task's own test split: eval/...
     unnamed = grpo.Split(toy.task, toy.problems, toy.prompt_ids)
-    unnamed = grpo.evaluate(plain, unnamed, cfg, seed=1)[0]
+    unnamed = evals.evaluate(plain, unnamed, cfg, seed=1)[0]
     assert unnamed == {"eval/" + k[len("eval/toy/") :]: v for k, v in metrics.items()}
     assert set(plain.calls[1]["seeds"]).isdisjoint(engine.calls[1]["seeds"])
 
@@ -168,8 +168,8 @@ def test_an_in_run_eval_is_greedy_only_unless_asked(tmp_path):
     greedy metrics as the full eval gives them, no sampled ones."""
     cfg, toy = toy_split(tmp_path)
     engine = Scripted(GREEDY, SAMPLED)
-    metrics = grpo.evaluate(engine, toy, cfg, seed=1, sampled=False)[0]
-    full = grpo.evaluate(Scripted(GREEDY, SAMPLED), toy, cfg, seed=1)[0]
+    metrics = evals.evaluate(engine, toy, cfg, seed=1, sampled=False)[0]
+    full = evals.evaluate(Scripted(GREEDY, SAMPLED), toy, cfg, seed=1)[0]
     greedy = ("reward", "pass@1_greedy", "response_length")
     assert metrics == {f"eval/toy/{k}": full[f"eval/toy/{k}"] for k in greedy}
     assert [c["temperature"] for c in engine.calls] == [0.0]
@@ -179,13 +179,13 @@ def test_evaluate_without_answer_or_correct_logs_what_it_can(tmp_path, recwarn):
     """No answer(): no maj@n. An answer() that raises casts no vote (and warns). No "correct": no
     accuracy."""
     cfg, toy = toy_split(tmp_path, TOY.replace("def answer", "def _answer"))
-    metrics = grpo.evaluate(Scripted(GREEDY, SAMPLED), toy, cfg, seed=1)[0]
+    metrics = evals.evaluate(Scripted(GREEDY, SAMPLED), toy, cfg, seed=1)[0]
     assert "eval/toy/maj@4" not in metrics and metrics["eval/toy/pass@2"] == pytest.approx(13 / 18)
     cfg, toy = toy_split(tmp_path, TOY.replace("return completion.strip() if", "return 1 // 0 if"))
-    assert grpo.evaluate(Scripted(GREEDY, SAMPLED), toy, cfg, seed=1)[0]["eval/toy/maj@4"] == 0.0
+    assert evals.evaluate(Scripted(GREEDY, SAMPLED), toy, cfg, seed=1)[0]["eval/toy/maj@4"] == 0.0
     assert "answer() raised ZeroDivisionError" in str(recwarn.pop(UserWarning).message)
     cfg, toy = toy_split(tmp_path, TOY.replace('{"correct": float(', '{"close": float('))
-    metrics = grpo.evaluate(Scripted(GREEDY, SAMPLED), toy, cfg, seed=1)[0]
+    metrics = evals.evaluate(Scripted(GREEDY, SAMPLED), toy, cfg, seed=1)[0]
     assert sorted(metrics) == ["eval/toy/response_length", "eval/toy/reward"]
 
 
