@@ -561,10 +561,11 @@ def score_batch(results, lengths, weights=None, **shaping):
     """Shape N scored completions. Returns (rewards (N,) float32, {component: (N,) float32}).
 
     results: per completion its components dict, or a string saying why the reward failed ("error",
-    "timeout", ...; task.run_rewards). A failed completion scores exactly 0 (no shaping, no penalty)
-    and is counted in components["errors"] (timeouts also in components["timeouts"]). A completion
-    every TRL reward function left out ("unscored") has reward NaN: group_advantages leaves it out
-    of its group's baseline and gives it advantage 0, the logged means leave it out, as TRL does.
+    "timeout", ...; scoring.run_rewards). A failed completion scores exactly 0 (no shaping, no
+    penalty) and is counted in components["errors"] (timeouts also in components["timeouts"]). A
+    completion every TRL reward function left out ("unscored") has reward NaN: group_advantages
+    leaves it out of its group's baseline and gives it advantage 0, the logged means leave it out,
+    as TRL does.
     A component some completions lack is 0 for them. lengths: N completion lengths in tokens;
     weights, shaping: shape_reward's.
     """

@@ -24,7 +24,8 @@ from config import load_config
 from data.arith import math_problems
 from data.countdown import countdown_problems
 from rewards import code_reward, math_reward, score_batch, warm_math_verify
-from task import load_task, run_rewards, score
+from scoring import run_rewards
+from task import load_task, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE = "e080eb6"  # the last rewards.py whose math verifier ran sympy in a child process

@@ -21,9 +21,10 @@ import config
 import grpo
 import log
 import prepare
+from audit import replay
 from config import ConfigError
 from preflight import vllm_available
-from task import Task, replay
+from task import Task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"),

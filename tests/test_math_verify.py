@@ -17,7 +17,8 @@ from math_verify import parse, verify
 
 from config import ConfigError, load_config
 from rewards import MATH_TIMEOUT, math_equal, math_reward
-from task import load_task, run_rewards, score
+from scoring import run_rewards
+from task import load_task, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RIGHT = {"format": 1.0, "parsed": 1.0, "correct": 1.0}

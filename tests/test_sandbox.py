@@ -19,7 +19,8 @@ import pytest
 import sandbox
 from config import ConfigError, load_config
 from rewards import code_reward
-from task import check_sandbox, load_problems, load_task, run_rewards
+from scoring import run_rewards
+from task import check_sandbox, load_problems, load_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIER, WHY = sandbox.best()
@@ -651,7 +652,7 @@ def test_kill_9_of_the_trainer_ends_its_reward_workers(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {ROOT!r})
-        from task import run_rewards
+        from scoring import run_rewards
         def reward(text, problem):
             open(os.path.join({str(tmp_path)!r}, str(os.getpid())), "w").close()
             time.sleep(60)

@@ -14,10 +14,13 @@ import pytest
 
 import grpo
 import preflight
+import scoring
 import task as task_module
+from audit import replay
 from config import ConfigError, load_config
 from data.files import DataError
-from task import check_task_output, load_problems, load_task, replay, run_rewards, score
+from scoring import run_rewards
+from task import check_task_output, load_problems, load_task, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "config", "tiny.py")
@@ -448,7 +451,7 @@ def test_a_task_file_that_failed_late_fails_before_a_model_loads(tmp_path, monke
 
 
 def test_an_int_reward_too_large_for_a_float_is_a_counted_wrong_type(monkeypatch):
-    monkeypatch.setattr(task_module, "_REPORTED", set())
+    monkeypatch.setattr(scoring, "_REPORTED", set())
 
     def reward(text, problem):
         huge = {"int": 10**400, "dict": {"big": 10**400, "score": 1.0}}
@@ -485,7 +488,7 @@ def test_a_huge_prompt_fails_before_it_is_tokenised(tokenizer, tmp_path):
 
 
 def test_a_raising_hanging_dying_or_mistyped_reward_fails_only_its_completion(monkeypatch, capsys):
-    monkeypatch.setattr(task_module, "_REPORTED", set())
+    monkeypatch.setattr(scoring, "_REPORTED", set())
 
     def reward(text, problem):
         if text == "raise":

@@ -12,9 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import task as task_module
+import audit as audit_module
+import scoring
+from audit import audit, replay
 from config import ConfigError, load_config
-from task import audit, check_task_output, load_problems, load_task, replay, score, task_rewards
+from scoring import task_rewards
+from task import check_task_output, load_problems, load_task, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "config", "tiny.py")
@@ -91,7 +94,7 @@ def trl_task(tmp_path, chat=True, extra="", more="", more_weights="", name="trl_
 def test_trl_reward_functions_weighed_as_trl_weighs_them(tmp_path, capsys, monkeypatch, chat,
                                                          timeout, workers):
     """TRL's sum: weights times scores, a None left out; all None scores 0 and is counted."""
-    monkeypatch.setattr(task_module, "_REPORTED", set())  # its warnings are printed once a process
+    monkeypatch.setattr(scoring, "_REPORTED", set())  # its warnings are printed once a process
     cfg, task = setup(f"--task={trl_task(tmp_path, chat)}", f"--reward_timeout={timeout}",
                       f"--reward_workers={workers}")
     assert task.reward_names == ["accuracy_reward", "brevity"] and task.correct == "accuracy_reward"
@@ -149,7 +152,7 @@ def test_unscored_completions_and_array_scores_as_trls_own_trainer_treats_them(t
                           processing_class=AutoTokenizer.from_pretrained(folder))
     trl = trainer._generate_and_score_completions([{"prompt": "a"}] * 4 + [{"prompt": "b"}] * 4)
     task = SimpleNamespace(correct="accuracy_reward")
-    rows = task_module.reward_rows(task, (8, {"accuracy_reward": first, "other": second}))
+    rows = scoring.reward_rows(task, (8, {"accuracy_reward": first, "other": second}))
     assert [r["unscored"] for r in rows] == [0, 1, 1, 0, 0, 1, 0, 0]
     rewards, _ = score_batch(rows, [1] * 8, {"unscored": 0.0}, correct_weight=0.0,
                              format_weight=0.0)
@@ -418,21 +421,21 @@ def planted(tmp_path, name, flaw="pass"):
 
 @pytest.mark.parametrize("name", FLAWS)
 def test_the_audit_finds_each_planted_flaw(tmp_path, capsys, monkeypatch, name):
-    monkeypatch.setattr(task_module, "AUDIT_PROBLEMS", 1)
+    monkeypatch.setattr(audit_module, "AUDIT_PROBLEMS", 1)
     flaw, finding = FLAWS[name]
-    assert task_module.audit(planted(tmp_path, name, flaw), ["--reward_timeout=1"]) > 0
+    assert audit(planted(tmp_path, name, flaw), ["--reward_timeout=1"]) > 0
     out = capsys.readouterr().out
     assert finding in out and out.rstrip().endswith("FAIL"), out
 
 
 def test_the_audit_passes_an_honest_reward_and_reports_a_slow_one(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(task_module, "AUDIT_PROBLEMS", 1)
-    assert task_module.audit(planted(tmp_path, "honest")) == 0
+    monkeypatch.setattr(audit_module, "AUDIT_PROBLEMS", 1)
+    assert audit(planted(tmp_path, "honest")) == 0
     out = capsys.readouterr().out
     assert "reference scores 1; 19 cases, 12 fuzzed references" in out, out
     assert out.rstrip().endswith("PASS"), out
     slow = planted(tmp_path, "slow", "if len(completion) > 500_000:\n        time.sleep(1.2)")
-    assert task_module.audit(slow) == 0  # slow calls are reported, not failures
+    assert audit(slow) == 0  # slow calls are reported, not failures
     out = capsys.readouterr().out
     assert "slow: huge (1 MB), problem train0: 1." in out, out
     assert "0 failures, 2 slow calls: PASS" in out, out
@@ -482,7 +485,7 @@ def test_every_builtin_task_passes_the_audit(tmp_path, capsys, name):
     args = BUILTIN_AUDITS[name] if BUILTIN_AUDITS[name] is not None else data_files(tmp_path)[name]
     # a deadline far past any call's time: the machine running the tests may be busy
     args = [*args, f"--sandbox={sandbox.best()[0]}", "--reward_timeout=120"]
-    assert task_module.audit(name, args) == 0
+    assert audit(name, args) == 0
     out = capsys.readouterr().out
     if name in ("guess", "calculator"):  # an environment's reward: its turns are audited
         assert "environment turns; 0 failures: PASS" in out, out
