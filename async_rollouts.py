@@ -279,7 +279,7 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
     from config import Config, derive
     from evals import load_eval_tasks
     from model import load_policy
-    from preflight import auto_engine
+    from model_files import auto_engine
     from prepare import Split, eval_split, make_engine, make_sampler
     from task import load_problems, load_task, tokenize_prompts
 

@@ -9,13 +9,13 @@ import os
 import torch
 
 from loss import token_logprobs
+from model_files import build_tiny, convert_smollm2
 from perf import cpu, logprobs
-from preflight import build_tiny, convert_smollm2
 
 
 def model_path(cfg):
     """The folder (or hub name) the weights come from: "tiny" is built into out_dir, "smollm2-135m"
-    converted once (preflight.py)."""
+    converted once (model_files.py)."""
     if cfg.model == "tiny":
         return build_tiny(os.path.join(cfg.out_dir, "tiny_model"), seed=cfg.seed)
     if cfg.model == "smollm2-135m":

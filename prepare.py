@@ -22,9 +22,10 @@ from environment import EpisodeEngine
 from evals import load_eval_tasks
 from log import output_to
 from model import load_policy, load_reference, model_path
+from model_files import BUILT_HERE, auto_engine, check_model_source
 from perf import cpu
 from perf.logprobs import fused_head_unsupported
-from preflight import BUILT_HERE, auto_engine, check_model_source, preflight
+from preflight import preflight
 from rollout import HFEngine, VLLMEngine
 from sandbox import run_python
 from task import check_sandbox, check_task_output, load_problems, load_task, tokenize_prompts

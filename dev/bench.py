@@ -123,7 +123,7 @@ def memory(argv, vocab=0):
     if vocab:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from preflight import SHAPES
+        from memory import SHAPES
 
         torch.manual_seed(0)
         shape = {**SHAPES[cfg.model], "vocab_size": vocab}
@@ -406,7 +406,7 @@ def update_only(argv, steps, warmup, micro_batches):
     from config import config_from_argv
     from grpo import forward_logprobs, optimizer_step
     from loss import grpo_loss
-    from preflight import SHAPES, estimate_memory
+    from memory import SHAPES, estimate_memory
 
     cfg = config_from_argv(argv)
     rank, world, device = parallel.setup("cuda" if torch.cuda.is_available() else "cpu")

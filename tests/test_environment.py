@@ -18,7 +18,7 @@ import torch
 from config import ConfigError, load_config
 from environment import EpisodeEngine, ToolCalls, chat_suffix, parse_tool_calls
 from grpo import pad_batch
-from preflight import build_tiny, vllm_available
+from model_files import build_tiny, vllm_available
 from rollout import Completion
 from task import Task, render, score, tokenize_prompts
 

@@ -278,7 +278,7 @@ def test_3b_update_time_and_peak_memory_against_preflight(device):
 
     from dev.bench import batch_shape, synthetic_batch
     from grpo import Passes, accumulate_gradients, batch_logprobs, optimizer_step, prepare_update
-    from preflight import SHAPES, estimate_memory, update_peak
+    from memory import SHAPES, estimate_memory, update_peak
 
     on_gpu = device == "cuda"
     run_file = os.path.join(ROOT, "config", "countdown_3b.py")

@@ -23,7 +23,7 @@ import log
 import prepare
 from audit import replay
 from config import ConfigError
-from preflight import vllm_available
+from model_files import vllm_available
 from task import Task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -949,7 +949,7 @@ def test_groups_with_a_zero_gradient_count_but_are_not_computed(tmp_path, beta):
     all-right and all-wrong groups have a zero gradient, so no pass computes them (the mixed
     group's 10 tokens are computed) and the gradient is the one of computing every row; with a KL
     term they have a gradient of their own, and every row is computed."""
-    from preflight import build_tiny
+    from model_files import build_tiny
 
     cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
                                         "--drop_zero_std_groups=false", f"--beta={beta}",
@@ -987,7 +987,7 @@ def test_the_parity_gap_is_the_mean_over_the_tokens_compared(tmp_path):
     10 tokens' mean |pi_old - sampler| (the sampler said -1.0 for each), not their sum over 30."""
     from transformers import AutoModelForCausalLM
 
-    from preflight import build_tiny
+    from model_files import build_tiny
 
     cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
                                         "--dtype=float32"])

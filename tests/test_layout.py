@@ -114,7 +114,7 @@ def test_no_import_cycle_among_the_projects_modules():
     # the walk sees the project: top-level imports, function-level ones, modules in folders
     assert {"loss", "perf.shared_prompt", "checkpoint", "log", "prepare"} <= graph["grpo"]
     assert "tools" in graph["prepare"]
-    assert "preflight" in graph["data.files"]  # imported inside a function
+    assert "model_files" in graph["data.files"]  # imported inside a function
     assert {"config", "data.arith", "rewards"} <= graph["tasks.math"]
     assert not any(name.startswith("tasks") for name in graph["task"])  # import_file: run time
     assert "audit" not in graph["task"] and "task" in graph["audit"]  # task.py's script block

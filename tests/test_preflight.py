@@ -5,25 +5,27 @@ import os
 
 import pytest
 
+import memory
+import model_files
 import preflight
 from config import ConfigError, load_config
-from preflight import count_params, estimate_memory
+from memory import count_params, estimate_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_count_params_hand_worked():
     # tiny: 2 layers x (attn 2*64*64 + 2*64*64 + mlp 3*64*128) + tied embedding 512*64
-    assert count_params(preflight.SHAPES["tiny"]) == 2 * (4 * 64 * 64 + 3 * 64 * 128) + 512 * 64
+    assert count_params(memory.SHAPES["tiny"]) == 2 * (4 * 64 * 64 + 3 * 64 * 128) + 512 * 64
     # Qwen2.5-3B-Instruct has 3.09B parameters (its model card)
-    assert (count_params(preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"]) / 1e9
+    assert (count_params(memory.SHAPES["Qwen/Qwen2.5-3B-Instruct"]) / 1e9
             == pytest.approx(3.09, abs=0.01))
 
 
 def test_memory_estimate_hand_worked():
     cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32", "--beta=0"])
-    est = estimate_memory(cfg, preflight.SHAPES["tiny"])
-    n = count_params(preflight.SHAPES["tiny"])
+    est = estimate_memory(cfg, memory.SHAPES["tiny"])
+    n = count_params(memory.SHAPES["tiny"])
     gib = 2**30
     assert est["weights"] * gib == 4 * n and est["grads"] * gib == 4 * n
     assert est["optimizer"] * gib == 8 * n and est["adam_step"] * gib == 4 * n
@@ -36,11 +38,11 @@ def test_memory_estimate_hand_worked():
     # the (b, T, V) fp32 logits and their gradient; the logprobs' 1024-position chunk (3 x fp32)
     assert est["head"] * gib == 2 * 4 * 2048 * 512 + 12 * 1024 * 512
     assert "reference" not in est  # beta = 0: no reference model (L4)
-    with_ref = estimate_memory(load_config(overrides=["--beta=0.001"]), preflight.SHAPES["tiny"])
+    with_ref = estimate_memory(load_config(overrides=["--beta=0.001"]), memory.SHAPES["tiny"])
     assert with_ref["reference"] * gib == 4 * n  # fp32, as prepare.build_models loads it
     ckpt_cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32", "--beta=0",
                                       "--gradient_checkpointing=true"])
-    ckpt = estimate_memory(ckpt_cfg, preflight.SHAPES["tiny"])
+    ckpt = estimate_memory(ckpt_cfg, memory.SHAPES["tiny"])
     # the layers' fp32 inputs, one layer recomputed, the prompt keys and values
     assert ckpt["activations"] * gib == 4 * 64 * 2 * 2048 + layer * 2048 + 2 * 64 * 4 * 2 * 2048
 
@@ -51,10 +53,10 @@ def test_memory_estimate_of_the_3b_run_hand_worked(capsys):
     gib = 2**30
     path = os.path.join(ROOT, "config", "countdown_3b.py")
     cfg = load_config(path)
-    est = estimate_memory(cfg, preflight.SHAPES[cfg.model])
+    est = estimate_memory(cfg, memory.SHAPES[cfg.model])
     # 36 x (2 x 2048^2 + 2 x 2048 x 256 + 3 x 2048 x 11008) + 151936 x 2048 (tied)
     n = 3_085_697_024
-    assert count_params(preflight.SHAPES[cfg.model]) == n
+    assert count_params(memory.SHAPES[cfg.model]) == n
     per_param = {"weights": 4, "reference": 4, "grads": 4, "optimizer": 8, "adam_step": 4}
     for key, bytes_per_param in per_param.items():
         assert est[key] * gib == bytes_per_param * n, key
@@ -66,10 +68,10 @@ def test_memory_estimate_of_the_3b_run_hand_worked(capsys):
     assert est["activations"] * gib == (4 * 2048 * 36 + one_layer + 2 * 256 * 2 * 36) * 16384
     # the head's bf16 copy, its fp32 gradient, 883 positions (2^27 logits) x V x (3 x 4 + 2) bytes
     assert est["head"] * gib == 2 * 151936 * 2048 + 4 * 151936 * 2048 + 14 * 883 * 151936
-    assert preflight.resident_memory(est) * gib == 16 * n  # weights, reference, moments
+    assert memory.resident_memory(est) * gib == 16 * n  # weights, reference, moments
     micro_batch = 2 * layers + est["activations"] * gib + est["head"] * gib
     peak = 20 * n + max(4 * n, micro_batch)  # + the gradients
-    assert preflight.update_peak(est) * gib == pytest.approx(peak, rel=1e-12)
+    assert memory.update_peak(est) * gib == pytest.approx(peak, rel=1e-12)
     assert 73 < peak / gib < 74
     preflight.preflight(load_config(path, ["--device_memory_gb=80"]))
     table = capsys.readouterr().out
@@ -79,7 +81,7 @@ def test_memory_estimate_of_the_3b_run_hand_worked(capsys):
 
 def test_lora_and_offloaded_reference_terms():
     """A LoRA base is loaded in fp32 like any policy; ref_offload keeps the reference on the CPU."""
-    gib, shape = 2**30, preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"]
+    gib, shape = 2**30, memory.SHAPES["Qwen/Qwen2.5-3B-Instruct"]
     path = os.path.join(ROOT, "config", "countdown_3b.py")
     n, lora = count_params(shape), 16 * 36 * (4 * 2048 + 2 * (2048 + 256) + 3 * (2048 + 11008))
     est = estimate_memory(load_config(path, ["--lora_rank=16"]), shape)
@@ -106,8 +108,8 @@ def test_the_24gb_run_file_fits_a_24gb_device(capsys):
     path = os.path.join(ROOT, "config", "countdown_3b_24gb.py")
     cfg = load_config(path, ["--device_memory_gb=24"])
     est = preflight.preflight(cfg)
-    assert preflight.update_peak(est) < 0.95 * 24
-    assert 0.35 * 24 + preflight.resident_memory(est) < 0.95 * 24
+    assert memory.update_peak(est) < 0.95 * 24
+    assert 0.35 * 24 + memory.resident_memory(est) < 0.95 * 24
     assert "pre-flight: device 24.0 GiB" in capsys.readouterr().out
     with pytest.raises(ConfigError):
         preflight.preflight(load_config(os.path.join(ROOT, "config", "countdown_3b.py"),
@@ -123,12 +125,12 @@ def test_model_shape_from_a_local_folder(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 10, "hidden_size": 8, '
                                           '"intermediate_size": 16, "num_hidden_layers": 1, '
                                           '"num_attention_heads": 2}')
-    shape = preflight.model_shape(str(tmp_path))
+    shape = memory.model_shape(str(tmp_path))
     assert count_params(shape) == 4 * 8 * 8 + 3 * 8 * 16 + 2 * 10 * 8  # untied by default
 
 
 def test_fsdp_memory_estimate_is_sharded(monkeypatch):
-    gib, shape = 2**30, preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"]
+    gib, shape = 2**30, memory.SHAPES["Qwen/Qwen2.5-3B-Instruct"]
     path = os.path.join(ROOT, "config", "countdown_3b.py")
     one = estimate_memory(load_config(path), shape)
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -172,11 +174,11 @@ def test_preflight_cli_prints_the_table():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU named: the table alone
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    est = estimate_memory(load_config(path), preflight.SHAPES["Qwen/Qwen2.5-3B-Instruct"])
+    est = estimate_memory(load_config(path), memory.SHAPES["Qwen/Qwen2.5-3B-Instruct"])
     lines = [line for line in out.stdout.splitlines() if line.startswith("  ")]
     rows = {line[2:16].strip(): float(line[16:23]) for line in lines}
-    assert rows.pop("update peak") == pytest.approx(preflight.update_peak(est), abs=0.005)
-    assert rows.pop("resident") == pytest.approx(preflight.resident_memory(est), abs=0.005)
+    assert rows.pop("update peak") == pytest.approx(memory.update_peak(est), abs=0.005)
+    assert rows.pop("resident") == pytest.approx(memory.resident_memory(est), abs=0.005)
     assert rows == pytest.approx(est, abs=0.005)
     small = subprocess.run(cmd + ["--device_memory_gb=40"], capture_output=True, text=True,
                            cwd=ROOT, timeout=120)
@@ -200,7 +202,7 @@ def test_a_context_beyond_the_models_fails(tmp_path):
             "--micro_batch_tokens=1100"]
     with pytest.raises(ConfigError, match="= 1064 tokens, beyond tiny's context of 1024"):
         preflight.preflight(load_config(overrides=tiny))
-    assert preflight.SHAPES["tiny"]["max_position_embeddings"] == 1024
+    assert memory.SHAPES["tiny"]["max_position_embeddings"] == 1024
 
 
 def test_a_kv_cache_the_machine_cannot_give_fails(monkeypatch):
@@ -220,20 +222,20 @@ def test_a_kv_cache_the_machine_cannot_give_fails(monkeypatch):
 
 
 def test_missing_or_broken_model_folders_fail_clearly(tmp_path, monkeypatch):
-    from preflight import check_model_source
+    from model_files import check_model_source
 
     with pytest.raises(ConfigError, match="not found"):
         check_model_source("./no/such/model")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="has no config.json"):
         check_model_source(str(tmp_path / "empty"))
-    monkeypatch.setattr(preflight, "hub_cached", lambda name: True)
+    monkeypatch.setattr(model_files, "hub_cached", lambda name: True)
     # a hub name in the local cache is left to the loader
     check_model_source("Qwen/Qwen2.5-3B-Instruct")
 
 
 def test_a_hub_name_that_cannot_be_fetched_is_a_config_error(monkeypatch):
-    from preflight import check_model_source
+    from model_files import check_model_source
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without internet
     fetch_it = "not in the Hugging Face cache.*hf download Qwen/Qwen2.5-3B-Instruct"
@@ -258,7 +260,7 @@ def test_checkpointing_with_shared_prompts_needs_the_cache_switch(tmp_path, monk
     monkeypatch.delattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
     ckpt = load_config(overrides=["--gradient_checkpointing=true"])
     with pytest.raises(ConfigError, match=r"shared_prompt needs transformers >= 5.15.0"):
-        preflight.check_cache_switch(ckpt)
+        model_files.check_cache_switch(ckpt)
     with pytest.raises(ConfigError, match=r"shared_prompt needs transformers >= 5.15.0"):
         preflight.preflight(ckpt)
     tiny = ["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}"]
@@ -266,8 +268,8 @@ def test_checkpointing_with_shared_prompts_needs_the_cache_switch(tmp_path, monk
     with pytest.raises(ConfigError, match=fix):
         grpo.prepare_run([*tiny, "--gradient_checkpointing=true"])
     assert not os.listdir(tmp_path)  # nothing built, nothing written
-    preflight.check_cache_switch(load_config(overrides=["--gradient_checkpointing=true",
+    model_files.check_cache_switch(load_config(overrides=["--gradient_checkpointing=true",
                                                         "--shared_prompt=false"]))
-    preflight.check_cache_switch(load_config())
+    model_files.check_cache_switch(load_config())
     monkeypatch.undo()
-    preflight.check_cache_switch(ckpt)  # this transformers has the switch
+    model_files.check_cache_switch(ckpt)  # this transformers has the switch

@@ -13,7 +13,7 @@ import torch
 from config import load_config
 from grpo import forward_logprobs, pad_batch
 from model import build_tiny, load_policy, push_weights_iter
-from preflight import vllm_available
+from model_files import vllm_available
 from rollout import HFEngine, VLLMEngine
 
 # In CI (CI set) a missing vLLM is a failure, not a skip: the install command must provide it.
@@ -604,7 +604,7 @@ def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
     line saying it is not installed."""
     import builtins
 
-    import preflight
+    import model_files
 
     real_import = builtins.__import__
 
@@ -613,17 +613,17 @@ def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
             raise ImportError("libcudart.so.12: cannot open shared object file\nmore detail")
         return real_import(name, *args, **kwargs)
 
-    monkeypatch.setattr(preflight, "vllm_available", lambda: True)  # the package is there
+    monkeypatch.setattr(model_files, "vllm_available", lambda: True)  # the package is there
     monkeypatch.setattr(builtins, "__import__", broken)
-    assert preflight.auto_engine() == "hf"
+    assert model_files.auto_engine() == "hf"
     assert capsys.readouterr().out == (
         "engine=auto: vLLM is installed but does not import (ImportError: libcudart.so.12: cannot "
         "open shared object file; --engine=vllm shows it all); sampling with the HF engine\n")
     monkeypatch.setattr(builtins, "__import__", real_import)
-    monkeypatch.setattr(preflight, "vllm_available", lambda: False)
-    assert preflight.auto_engine() == "hf"
+    monkeypatch.setattr(model_files, "vllm_available", lambda: False)
+    assert model_files.auto_engine() == "hf"
     out = capsys.readouterr().out
     assert out == "engine=auto: vLLM is not installed; sampling with the HF engine\n"
-    monkeypatch.setattr(preflight, "vllm_available", lambda: True)
+    monkeypatch.setattr(model_files, "vllm_available", lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # one that imports
-    assert preflight.auto_engine() == "vllm" and capsys.readouterr().out == ""
+    assert model_files.auto_engine() == "vllm" and capsys.readouterr().out == ""
