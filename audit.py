@@ -21,8 +21,9 @@ import time
 import sandbox
 from config import Config, ConfigError, config_from_argv, load_saved
 from environment import first_turn
-from rewards import extract_answer, score_batch
+from rewards import extract_answer
 from scoring import task_rewards
+from shaping import score_batch
 from task import check_sandbox, load_problems, load_task, reward_shaping
 
 

@@ -82,8 +82,8 @@ import sandbox
 from config import Config, ConfigError
 from data.files import is_data_path, load_rows
 from environment import python as run_code_tool
-from rewards import score_batch
 from scoring import NOT_COLUMNS, is_chat, task_rewards
+from shaping import score_batch
 
 TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 

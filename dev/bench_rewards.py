@@ -23,8 +23,9 @@ import time
 from config import load_config
 from data.arith import math_problems
 from data.countdown import countdown_problems
-from rewards import code_reward, math_reward, score_batch, warm_math_verify
+from rewards import code_reward, math_reward, warm_math_verify
 from scoring import run_rewards
+from shaping import score_batch
 from task import load_task, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,9 +18,8 @@ from rewards import (
     has_format,
     last_boxed,
     math_reward,
-    score_batch,
-    shape_reward,
 )
+from shaping import score_batch, shape_reward
 
 
 def A(answer):

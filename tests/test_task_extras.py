@@ -132,7 +132,7 @@ def test_unscored_completions_and_array_scores_as_trls_own_trainer_treats_them(t
 
     from advantage import group_advantages
     from model_files import build_tiny
-    from rewards import score_batch
+    from shaping import score_batch
 
     first = [1.0, None, None, 0.0, np.float32(0.5), float("nan"), 2, torch.tensor(1.0)]
     second = np.array([None, None, None, None, 0.25, None, np.float64(0.5), None], dtype=object)
