@@ -19,10 +19,11 @@ import torch
 
 import log
 import parallel
+from audit import check_sandbox, check_task_output
 from config import ConfigError
 from model import push_weights_iter
 from rollout import row_seeds
-from task import check_sandbox, check_task_output, load_problems, load_task, multi_turn, score
+from task import load_problems, load_task, multi_turn, score
 
 
 def evaluate(engine, test, cfg, seed, sampled=True):

@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import parallel
+from audit import check_sandbox, check_task_output
 from checkpoint import claim_out_dir
 from config import ConfigError, config_from_argv, save_config
 from data.sampler import CurriculumSampler, PromptSampler
@@ -28,7 +29,7 @@ from perf.logprobs import fused_head_unsupported
 from preflight import preflight
 from rollout import HFEngine, VLLMEngine
 from sandbox import run_python
-from task import check_sandbox, check_task_output, load_problems, load_task, tokenize_prompts
+from task import load_problems, load_task, tokenize_prompts
 from tools import ToolEngine
 
 

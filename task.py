@@ -82,7 +82,7 @@ import sandbox
 from config import Config, ConfigError
 from data.files import is_data_path, load_rows
 from environment import python as run_code_tool
-from scoring import NOT_COLUMNS, is_chat, task_rewards
+from scoring import task_rewards
 from shaping import score_batch
 
 TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
@@ -301,29 +301,6 @@ def stop_strings(path, stop):
     return list(stop)
 
 
-def check_sandbox(cfg, task, problems):
-    """Pre-flight: where the model's code runs (tools=True, RUNS_CODE for any of `problems`, or
-    EXECUTES_TEXT), the sandbox cfg.sandbox accepts must be had here, or the run stops, saying what
-    is missing. Sets that tier for every later call, in this process and the reward workers it
-    forks."""
-    sandbox.ALLOWED = cfg.sandbox
-    runs = task.runs_code if callable(task.runs_code) else lambda problem: task.runs_code
-    if not cfg.tools and not task.executes_text and not any(runs(p) for p in problems):
-        return
-    who = ("tools=True runs the model's code" if cfg.tools else
-           f"{task.where} runs the model's code" if not task.executes_text else
-           f"{task.where}'s reward may run the model's text as code (EXECUTES_TEXT)")
-    tier, why = sandbox.best()
-    if sandbox.TIERS.index(tier) < sandbox.TIERS.index(cfg.sandbox):
-        raise ConfigError(f"{who}, but the {cfg.sandbox} sandbox cannot be built here: {why}. "
-                          "Run on Linux as root, or where unprivileged user namespaces are "
-                          "allowed, with util-linux (unshare, setpriv); or accept what this "
-                          f"machine gives by name: --sandbox={tier} ({sandbox.GIVES[tier]})")
-    if cfg.sandbox != "full":
-        print(f"sandbox={cfg.sandbox}: {who} in the {tier} sandbox ({sandbox.GIVES[tier]})"
-              + (f"; {why}" if why else ""))
-
-
 def binds(fn, count, **keywords):
     """False if fn cannot take `count` positional arguments and these keywords (True where its
     signature is hidden)."""
@@ -432,32 +409,6 @@ def tokenize_prompts(tokenizer, task, problems, max_prompt_len):
                               f"max_prompt_len={max_prompt_len}; raise it")
         out.append(ids)
     return out
-
-
-def check_task_output(task, problems, cfg):
-    """Pre-flight: prompt() gives a string or chat messages for every problem, and reward() a float
-    or a dict of floats on an empty completion (raising there is allowed: an empty answer may well
-    be an error)."""
-    for p in problems:
-        out = task.prompt(p)
-        if not isinstance(out, str) and not is_chat(out):
-            raise ConfigError(f"{task.where}: prompt() returned {out!r:.80} for problem {p['id']}; "
-                              "expected a raw string or chat messages like [{'role': 'user', "
-                              "'content': '...'}]")
-        if isinstance(out, str) and not (out + task.completion_prefix).strip():
-            raise ConfigError(f"{task.where}: prompt() returned {out!r} for problem {p['id']}: "
-                              "the model needs some text to continue")
-    for name, f in zip(task.reward_names, task.reward_funcs):  # called by name, as TRL calls them
-        columns = {k: [] for k in set(problems[0]) - NOT_COLUMNS}
-        if not binds(f, 0, prompts=[], completions=[], completion_ids=[], **columns):
-            raise ConfigError(f"{task.where}: reward function {name}{inspect.signature(f)} "
-                              "cannot be called as TRL calls it, f(prompts=, completions=, "
-                              "completion_ids=, and a keyword per problem key "
-                              f"{sorted(columns)}); end it with **kwargs")
-    result = task_rewards(task, [task.completion_prefix], problems[:1], cfg.reward_timeout,
-                          quiet=True)[0]
-    if isinstance(result, str) and result.startswith("wrong type"):
-        raise ConfigError(f"{task.where}: {'' if task.reward_funcs else 'reward() '}{result}")
 
 
 # ---------------------------------------------------------------- the reward under a deadline

@@ -25,7 +25,7 @@ def _task(problem):
     return code_task if "tests" in problem or "entry_point" in problem else math_task
 
 
-def RUNS_CODE(problem):  # a code row runs the model's code, in the sandbox (task.check_sandbox)
+def RUNS_CODE(problem):  # a code row runs the model's code, in the sandbox (audit.check_sandbox)
     return _task(problem) is code_task
 
 

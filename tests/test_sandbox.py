@@ -17,10 +17,11 @@ import time
 import pytest
 
 import sandbox
+from audit import check_sandbox
 from config import ConfigError, load_config
 from rewards import code_reward
 from scoring import run_rewards
-from task import check_sandbox, load_problems, load_task
+from task import load_problems, load_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIER, WHY = sandbox.best()

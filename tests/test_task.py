@@ -16,11 +16,11 @@ import grpo
 import preflight
 import scoring
 import task as task_module
-from audit import replay
+from audit import check_task_output, replay
 from config import ConfigError, load_config
 from data.files import DataError
 from scoring import run_rewards
-from task import check_task_output, load_problems, load_task, score
+from task import load_problems, load_task, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "config", "tiny.py")

@@ -14,10 +14,10 @@ import pytest
 
 import audit as audit_module
 import scoring
-from audit import audit, replay
+from audit import audit, check_task_output, replay
 from config import ConfigError, load_config
 from scoring import task_rewards
-from task import check_task_output, load_problems, load_task, score
+from task import load_problems, load_task, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "config", "tiny.py")
