@@ -443,7 +443,10 @@ def score(task, texts, problems, lengths, cfg, completion_ids=None, env_rewards=
 # ---------------------------------------------------------------- offline replay (W5)
 
 
-if __name__ == "__main__":  # the audit and the replay (audit.py) keep this command
-    import audit
+if __name__ == "__main__":
+    # `python task.py --audit` and `--replay` are audit.py's commands: run that script (audit.py
+    # imports this module, so importing it here would make a cycle)
+    import runpy
 
-    audit.main(sys.argv[1:])
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "audit.py"),
+                   run_name="__main__")

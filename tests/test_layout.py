@@ -4,9 +4,7 @@
 
 Every import statement counts, at the top of a file or inside a function: a cycle through a
 function-level import is still a cycle, only deferred to run time. A task file loaded by
-task.import_file is composed at run time, not imported, and is no edge; nor is an import in a
-file's `if __name__ == "__main__":` block, which runs only when the file is the script (task.py's
-command line calls audit.py), never while another module imports it.
+task.import_file is composed at run time, not imported, and is no edge.
 """
 
 import ast
@@ -53,12 +51,6 @@ def imported_names(node, module):
     return names + [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
 
 
-def is_main_block(node):
-    """A top-level `if __name__ == "__main__":`."""
-    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
-
-
 def import_graph(root):
     """Module -> the set of project modules it imports, from every import statement in its file."""
     modules = project_modules(root)
@@ -66,7 +58,6 @@ def import_graph(root):
     for module, path in modules.items():
         with open(path) as f:
             tree = ast.parse(f.read(), filename=path)
-        tree.body = [n for n in tree.body if not is_main_block(n)]  # the script's own block
         found = set()
         for node in ast.walk(tree):  # top-level and nested alike
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -117,7 +108,6 @@ def test_no_import_cycle_among_the_projects_modules():
     assert "model_files" in graph["data.files"]  # imported inside a function
     assert {"config", "data.arith", "rewards"} <= graph["tasks.math"]
     assert not any(name.startswith("tasks") for name in graph["task"])  # import_file: run time
-    assert "audit" not in graph["task"] and "task" in graph["audit"]  # task.py's script block
     check_no_cycle(graph)
 
 
