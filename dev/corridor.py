@@ -14,10 +14,12 @@ eval.
 """
 
 import argparse
+import functools
 import inspect
 import os
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +65,6 @@ def trace_step(argv, step, record_path):
 
     grpo.temperature_at, grpo.end_step = start, stop
     sys.setprofile(profiler)
-    import threading
     threading.setprofile(profiler)
     try:
         grpo.main(argv)
@@ -93,14 +94,11 @@ def read_records(path):
     return result
 
 
-_sources = {}
-
-
+@functools.cache
 def sources(file):
-    if file not in _sources:
-        with open(os.path.join(ROOT, file)) as f:
-            _sources[file] = f.readlines()
-    return _sources[file]
+    """The lines of a project file, read once."""
+    with open(os.path.join(ROOT, file)) as f:
+        return f.readlines()
 
 
 def report(functions, table=False):
