@@ -61,9 +61,6 @@ class Phases:
     """grpo.py's functions the sampler runs (passed in, by reference: grpo imports this module)."""
 
     collect: object  # collect_rollouts
-    eval_is_due: object
-    eval_due: object
-    evaluate_all: object
     temperature_at: object
 
 
@@ -277,7 +274,7 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
 
     import sandbox
     from config import Config, derive
-    from evals import load_eval_tasks
+    from evals import eval_due, eval_is_due, evaluate_all, load_eval_tasks
     from model import load_policy
     from model_files import auto_engine
     from prepare import Split, eval_split, make_engine, make_sampler
@@ -321,14 +318,14 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
     for step in range(first, cfg.max_steps):
         times = {}
         # an eval step's eval (and batch) on its own weights; the other batches max_staleness old
-        due = phases.eval_is_due(cfg, step)
+        due = eval_is_due(cfg, step)
         version = step if due else max(0, step - cfg.max_staleness)
         weights(version, times)
-        evals = phases.eval_due(engine, eval_sets, cfg, step)
+        evals = eval_due(engine, eval_sets, cfg, step)
         batch, drawn, rounds = phases.collect(engine, sampler, train, cfg, step,
                                               phases.temperature_at(step, cfg), times)
         conn.send(("made", Made(step, version, batch, drawn, rounds, times, evals,
                                 sampler.state_dict())))
     times = {}
     weights(cfg.max_steps, times)  # the final eval, on the last update's weights
-    conn.send(("final", phases.evaluate_all(engine, eval_sets, cfg)[0]))
+    conn.send(("final", evaluate_all(engine, eval_sets, cfg)[0]))

@@ -55,7 +55,7 @@ from advantage import group_advantages, group_stats
 from async_rollouts import AsyncRollouts, Phases, load_pending
 from checkpoint import TrainState, load_checkpoint, save_checkpoint
 from config import ConfigError
-from evals import eval_due, eval_is_due, eval_only, evaluate_all, wake_and_evaluate
+from evals import eval_due, eval_only, wake_and_evaluate
 from log import Diverged, Logger, diverged, dump_samples, memory_gb, timed
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
 from model import push_weights_iter, sequence_logprobs
@@ -681,7 +681,7 @@ def main(argv, wrap_engine=lambda engine: engine):
     if resume_from:
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
     if cfg.async_rollouts and not cfg.eval_only:  # R8: a sampler process makes the rollouts
-        phases = Phases(collect_rollouts, eval_is_due, eval_due, evaluate_all, temperature_at)
+        phases = Phases(collect_rollouts, temperature_at)
         rollouts = AsyncRollouts(cfg, path, device, policy, sampler, state.step, phases,
                                  load_pending(resume_from, Rollouts))
         engine_name, final_eval = f"{cfg.engine} in a sampler process", rollouts.final_eval

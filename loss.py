@@ -97,7 +97,7 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(),
         raise ValueError(f"ratio_level must be 'token' or 'sequence', got {s.ratio_level!r}")
     ratio = torch.exp(log_ratio)
     # (B, T)
-    per_token = policy_gradient_term(s, ratio, torch.where(mask, logprobs, 0.0), adv)
+    per_token = policy_gradient_term(s, eps_high, ratio, torch.where(mask, logprobs, 0.0), adv)
     if is_weights is not None:  # R2: the tokens came from the sampler, not from pi_old exactly
         per_token = per_token * is_weights.detach()
     if pg_mask is not None:  # "80/20": no policy gradient for low-entropy tokens, only the KL pull
@@ -131,10 +131,10 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(),
     return loss, metrics
 
 
-def policy_gradient_term(settings, ratio, logprobs, adv):
-    """Per-token loss of grpo_loss's policy_loss; (B, T) ratio and logprobs, (B, 1) adv."""
+def policy_gradient_term(settings, eps_high, ratio, logprobs, adv):
+    """Per-token loss of grpo_loss's policy_loss; (B, T) ratio and logprobs, (B, 1) adv; the ratio
+    clipped to [1 - clip_eps, 1 + eps_high]."""
     policy_loss, clip_eps, dual_clip = settings.policy_loss, settings.clip_eps, settings.dual_clip
-    eps_high = settings.clip_eps_high or clip_eps
     if policy_loss == "clip":
         clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)
         per_token = -torch.min(ratio * adv, clipped * adv)  # zero grad on the clipped side

@@ -3,7 +3,8 @@
     estimate_memory(cfg, shape) -> GiB by term; resident_memory, update_peak; memory_table
 
 SHAPES holds the few config.json fields of the models the shipped run files use, so the estimate
-needs no download; any other model is read from its local config.json.
+needs no download; any other model is read from its local config.json (or, if transformers can
+reach it, the hub's).
 """
 
 import json
@@ -11,8 +12,6 @@ import os
 
 from perf.logprobs import head_chunk
 
-# Shapes of the models the shipped run files use, so pre-flight needs no download.
-# Any other model is read from its local config.json (or, if transformers can reach it, the hub).
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,

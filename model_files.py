@@ -90,20 +90,6 @@ def auto_engine():
 # transformers drops a checkpointed layer's past_key_values unless the layer says it may keep
 # them; that switch (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in
 # 5.15.0 (5.14.1 lacks it)
-CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.15.0 (pip install -U 'transformers>=5.15.0'), "
-                         "or set --gradient_checkpointing=false or --shared_prompt=false")
-
-
-def check_cache_switch(cfg):
-    """Gradient checkpointing with each prompt once needs transformers' cache switch:
-    fail now if absent."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    hook = hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
-    if cfg.gradient_checkpointing and cfg.shared_prompt and not hook:
-        raise ConfigError(f"gradient_checkpointing with shared_prompt {CHECKPOINT_CACHE_HINT}")
-
-
 # ---------------------------------------------------------------- models built or converted here
 
 TINY_CORPUS = [

@@ -54,9 +54,15 @@ def setup(device):
     # Leave the group before the interpreter exits: a process that exits with gloo's threads still
     # running can abort ("terminate called without an active exception", SIGABRT) after its work
     # is done, and torchrun then reports the whole run as failed.
-    atexit.register(dist.destroy_process_group)
+    atexit.register(leave_group)
     launched = True
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def leave_group():
+    """Destroy the process group, if still there (a process may have left it already)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def world():

@@ -22,7 +22,6 @@ from memory import (
     resident_memory,
     update_peak,
 )
-from model_files import check_cache_switch
 
 CPU_RUN_GIB = 16  # O6: an update estimated above this, with no GPU, needs an explicit --device=cpu
 
@@ -61,6 +60,20 @@ def check_context(cfg, shape):
                           f"{cfg.max_completion_len} = {longest} tokens, beyond {cfg.model}'s "
                           f"context of {limit} (max_position_embeddings in its config.json); "
                           "lower them")
+
+
+CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.15.0 (pip install -U 'transformers>=5.15.0'), "
+                         "or set --gradient_checkpointing=false or --shared_prompt=false")
+
+
+def check_cache_switch(cfg):
+    """Gradient checkpointing with each prompt once needs transformers' cache switch:
+    fail now if absent."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    hook = hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
+    if cfg.gradient_checkpointing and cfg.shared_prompt and not hook:
+        raise ConfigError(f"gradient_checkpointing with shared_prompt {CHECKPOINT_CACHE_HINT}")
 
 
 def preflight(cfg):

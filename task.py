@@ -13,7 +13,7 @@ A task file defines three functions (tasks/larger.py is a complete example):
                                 (no template)
     reward(completion, problem) -> a float, or a dict of named floats; "correct" (1/0, or a share)
                                    makes pass@k and accuracy; "format" and "parsed" feed the
-                                   shaping (rewards.py)
+                                   shaping (shaping.py)
 
 and may define:
 
@@ -62,10 +62,10 @@ completion every function leaves out is left out of its group's baseline with ad
 the logged reward, as TRL's nanmean does, and counted in reward/unscored (tested against TRL's own
 GRPOTrainer). correct_weight does not apply (the functions' weights do).
 
-The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or
-hangs scores 0 for that completion and is counted in reward/errors; the run goes on (scoring.py, the
-runner, one call from score()). `python task.py --audit TASK` tries a task's reward on completions
-that should not pay before a run trusts it; `--replay` re-scores a run's samples (audit.py).
+The reward runs in a forked child process under a deadline (reward_timeout; scoring.py, one call
+from score()): a reward that raises or hangs scores 0 and is counted in reward/errors.
+`python task.py --audit TASK` tries a task's reward on completions that should not pay before a run
+trusts it; `--replay` re-scores a run's samples (audit.py).
 """
 
 import dataclasses
@@ -411,7 +411,7 @@ def tokenize_prompts(tokenizer, task, problems, max_prompt_len):
     return out
 
 
-# ---------------------------------------------------------------- the reward under a deadline
+# ------------------------------------------------------------ the reward and its shaping (W1-W3)
 
 
 def reward_shaping(task, cfg):
@@ -438,9 +438,6 @@ def score(task, texts, problems, lengths, cfg, completion_ids=None, env_rewards=
             results[i] = {**results[i], **env}
     weights, shape = reward_shaping(task, cfg)
     return score_batch(results, lengths, weights, **shape)
-
-
-# ---------------------------------------------------------------- offline replay (W5)
 
 
 if __name__ == "__main__":

@@ -435,7 +435,7 @@ def update_only(argv, steps, warmup, micro_batches):
             with parallel.no_grad_sync(train_model, last=i == micro_batches - 1):
                 lp, entropy = forward_logprobs(train_model, ids, attention, cfg, cfg.temperature)
             # random advantages, and a reference 0.01 nats off so the KL term computes something
-            loss, _ = grpo_loss(lp, lp.detach(), torch.randn(B, device=device), mask,
+            loss, _ = grpo_loss(lp, lp.detach(), torch.randn(B, device=device), mask, cfg,
                                 ref_logprobs=lp.detach() - 0.01,
                                 beta=cfg.beta, num_tokens=num_tokens,
                                 num_seqs=B * micro_batches * world)

@@ -37,30 +37,32 @@ def trace_step(argv, step, record_path):
     sys.path.insert(0, ROOT)
     import grpo
 
-    seen, on = set(), [False]
+    seen, on = set(), False
     out = open(record_path, "a", buffering=1)  # a line per record: a forked child writes its own
 
     def profiler(frame, event, arg):
-        if event != "call" or not on[0]:
+        if event != "call" or not on:
             return
         code = frame.f_code
         key = (code.co_filename, code.co_firstlineno, code.co_name)
         if key in seen or code.co_name.startswith("<") or not project_file(code.co_filename):
             return
         seen.add(key)
+        name = getattr(code, "co_qualname", code.co_name)  # Class.method from Python 3.11 on
         out.write(f"{time.monotonic_ns()}\t{os.path.relpath(code.co_filename, ROOT)}\t"
-                  f"{code.co_qualname}\t{code.co_firstlineno}\n")
+                  f"{name}\t{code.co_firstlineno}\n")
 
     temperature_at, end_step = grpo.temperature_at, grpo.end_step
 
     def start(s, cfg):  # the loop's first call of a step
-        on[0] = on[0] or s == step
+        nonlocal on
+        on = on or s == step
         return temperature_at(s, cfg)
 
     def stop(cfg, s, *args, **kwargs):  # the loop's last call of a step
+        nonlocal on
         result = end_step(cfg, s, *args, **kwargs)
-        if s == step:
-            on[0] = False
+        on = on and s != step
         return result
 
     grpo.temperature_at, grpo.end_step = start, stop
@@ -102,7 +104,7 @@ def sources(file):
 
 
 def report(functions, table=False):
-    """Print the table (with --table) and the totals; return (lines, files, jumps)."""
+    """Print the table (with --table) and the totals."""
     jumps = sum(a[0] != b[0] for a, b in zip(functions, functions[1:]))
     files = {}
     for file, _, _, n in functions:
@@ -117,7 +119,6 @@ def report(functions, table=False):
     lines = sum(files.values())
     print(f"\none step: {lines} lines in {len(functions)} functions over {len(files)} files, "
           f"{jumps} jumps between files")
-    return lines, len(files), jumps
 
 
 def main():
@@ -125,12 +126,13 @@ def main():
     parser.add_argument("--step", type=int, default=1, help="the step traced (0 also evaluates)")
     parser.add_argument("--table", action="store_true", help="print every function in call order")
     args, rest = parser.parse_known_args()
-    out_dir = tempfile.mkdtemp(prefix="corridor_")
-    record = os.path.join(out_dir, "calls.tsv")
-    # one step more than the traced one: the last step's final eval and checkpoint are not a step's
-    argv = [*rest, f"--out_dir={out_dir}/run", f"--max_steps={args.step + 2}"]
-    trace_step(argv, args.step, record)
-    report(read_records(record), args.table)
+    with tempfile.TemporaryDirectory(prefix="corridor_") as out_dir:  # the run's files go with it
+        record = os.path.join(out_dir, "calls.tsv")
+        # one step more than the traced one: the last step's final eval and checkpoint are not a
+        # step's
+        argv = [*rest, f"--out_dir={out_dir}/run", f"--max_steps={args.step + 2}"]
+        trace_step(argv, args.step, record)
+        report(read_records(record), args.table)
 
 
 if __name__ == "__main__":

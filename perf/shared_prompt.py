@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 import parallel
 from model import self_attending_mask, sequence_logprobs
-from model_files import CHECKPOINT_CACHE_HINT
+from preflight import CHECKPOINT_CACHE_HINT
 
 
 def plan_micro_batches(lengths, prompt_lens, groups, cfg):

@@ -25,7 +25,7 @@ import random
 from data.split import draw_distinct
 from rewards import code_reward
 
-RUNS_CODE = True  # the reward runs the model's code: the run needs the sandbox (check_sandbox)
+RUNS_CODE = True  # the reward runs the model's code: it needs the sandbox (audit.check_sandbox)
 PROMPT = (
     "Write a Python function {signature} that {task}. Think step by step inside <think> </think> "
     "tags, then give only the code, in a ```python block, inside <answer> </answer> tags."

@@ -21,6 +21,7 @@ import config
 import grpo
 import log
 import prepare
+import rollout
 from audit import replay
 from config import ConfigError
 from model_files import vllm_available
@@ -422,7 +423,7 @@ def test_non_finite_updates_in_a_row_stop_the_run_naming_lr():
     cfg = config.load_config(overrides=["--max_nonfinite=2", "--lr=1e-3"])
     state = SimpleNamespace(step=7, nonfinite_in_a_row=0)
     assert grpo.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(1.0)) == 1
-    with pytest.raises(grpo.Diverged, match=r"step 7: 2 non-finite updates in a row .* lr=0.001"):
+    with pytest.raises(log.Diverged, match=r"step 7: 2 non-finite updates in a row .* lr=0.001"):
         grpo.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(float("inf")))
     assert grpo.count_nonfinite(True, state, cfg, 0.5, torch.tensor(1.0)) == 0
     assert state.nonfinite_in_a_row == 0
@@ -689,7 +690,7 @@ def test_no_two_rows_turns_or_steps_of_a_run_share_a_seed():
     for t in (0, 1, 7918):
         now, after = grpo.sampling_seeds(cfg, t, 0, 64), grpo.sampling_seeds(cfg, t + 1, 0, 64)
         assert not set(now) & set(after)
-    assert not set(grpo.row_seeds((1337, "eval"), 0, 64, 8)) & set(seeds)
+    assert not set(rollout.row_seeds((1337, "eval"), 0, 64, 8)) & set(seeds)
     # two ranks, 32 prompts each: rank 1's slots are 32..63 of the global batch
     halves = grpo.sampling_seeds(cfg, 5, 0, 32) + grpo.sampling_seeds(cfg, 5, 32, 32)
     assert halves == grpo.sampling_seeds(cfg, 5, 0, 64)

@@ -260,7 +260,7 @@ def test_checkpointing_with_shared_prompts_needs_the_cache_switch(tmp_path, monk
     monkeypatch.delattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
     ckpt = load_config(overrides=["--gradient_checkpointing=true"])
     with pytest.raises(ConfigError, match=r"shared_prompt needs transformers >= 5.15.0"):
-        model_files.check_cache_switch(ckpt)
+        preflight.check_cache_switch(ckpt)
     with pytest.raises(ConfigError, match=r"shared_prompt needs transformers >= 5.15.0"):
         preflight.preflight(ckpt)
     tiny = ["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}"]
@@ -268,8 +268,8 @@ def test_checkpointing_with_shared_prompts_needs_the_cache_switch(tmp_path, monk
     with pytest.raises(ConfigError, match=fix):
         grpo.prepare_run([*tiny, "--gradient_checkpointing=true"])
     assert not os.listdir(tmp_path)  # nothing built, nothing written
-    model_files.check_cache_switch(load_config(overrides=["--gradient_checkpointing=true",
+    preflight.check_cache_switch(load_config(overrides=["--gradient_checkpointing=true",
                                                         "--shared_prompt=false"]))
-    model_files.check_cache_switch(load_config())
+    preflight.check_cache_switch(load_config())
     monkeypatch.undo()
-    model_files.check_cache_switch(ckpt)  # this transformers has the switch
+    preflight.check_cache_switch(ckpt)  # this transformers has the switch
