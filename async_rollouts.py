@@ -52,7 +52,7 @@ class Made:
     drawn: object  # grpo.Rollouts, every row drawn (R7: before its filter)
     rounds: int  # R7's refill rounds
     times: dict  # the sampler's phase times: time/generate, time/score, time/push, time/sleep
-    evals: dict  # M2 at this step (eval_due), or {}
+    evals: dict  # M2 at this step (evaluate_in_run), or {}
     sampler_state: dict  # the prompt sampler's state after this step's draws and update
 
 
@@ -62,6 +62,7 @@ class Phases:
 
     collect: object  # collect_rollouts
     temperature_at: object
+    eval_is_due: object
 
 
 class AsyncRollouts:
@@ -127,10 +128,10 @@ class AsyncRollouts:
         return kind, payload
 
     def next(self, step, times):
-        """Step `step`'s (batch, drawn, rounds, evals), as collect_rollouts and eval_due give them
-        in the plain loop; evals also holds `staleness`, the updates the weights lagged by. Rank 0
-        waits for them (time/wait), every rank gets the step and trains on its share of the groups.
-        The prompt sampler takes the state it had after them (so a checkpoint holds it)."""
+        """Step `step`'s (batch, drawn, rounds, evals), as collect_rollouts and evaluate_in_run give
+        them in the plain loop; evals also holds `staleness`, the updates the weights lagged by.
+        Rank 0 waits for them (time/wait), every rank gets the step and trains on its share of the
+        groups. The prompt sampler takes the state it had after them (so a checkpoint holds it)."""
         made = None
         if parallel.rank() == 0:
             start = time.perf_counter()
@@ -274,7 +275,7 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
 
     import sandbox
     from config import Config, derive
-    from evals import eval_due, eval_is_due, evaluate_all, load_eval_tasks
+    from evals import evaluate_all, evaluate_in_run, load_eval_tasks
     from model import load_policy
     from model_files import auto_engine
     from prepare import Split, eval_split, make_engine, make_sampler
@@ -318,10 +319,10 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
     for step in range(first, cfg.max_steps):
         times = {}
         # an eval step's eval (and batch) on its own weights; the other batches max_staleness old
-        due = eval_is_due(cfg, step)
+        due = phases.eval_is_due(cfg, step)
         version = step if due else max(0, step - cfg.max_staleness)
         weights(version, times)
-        evals = eval_due(engine, eval_sets, cfg, step)
+        evals = evaluate_in_run(engine, eval_sets, cfg, step) if due else {}
         batch, drawn, rounds = phases.collect(engine, sampler, train, cfg, step,
                                               phases.temperature_at(step, cfg), times)
         conn.send(("made", Made(step, version, batch, drawn, rounds, times, evals,

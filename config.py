@@ -74,8 +74,7 @@ class Config:
     wrong_penalty: float = 0.0  # W2: added to a parsed but wrong answer (small, e.g. -0.1); 0 = off
     unparsed_penalty: float = -0.2  # W2: added to no well-formed answer (larger, -0.5); 0 = off
     length_soft_limit: int = 0  # W3: completion tokens past which length_penalty applies; 0 = off
-    length_penalty: float = 0.05  # W3: minus this per length_penalty_tokens begun past the limit
-    length_penalty_tokens: int = 32  # W3: the step of the length penalty
+    length_penalty: float = 0.05  # W3: minus this per 32 tokens begun past the limit
     length_min: int = 0  # W3: completions shorter than this many tokens score 0; 0 = off
     reward_weights: str = ""  # W2: "name:weight,..." of the task's components; else the task's or 1
     reward_timeout: float = 10.0  # seconds a reward may run, else 0 (reward/errors); 0 = no limit
@@ -100,17 +99,14 @@ class Config:
     temperature_end: float = 0.0  # R4: temperature at max_steps, reached linearly; 0 = constant
     mask_truncated: bool = False  # R6: truncated completions get no loss; False = train on them
     dynamic_sampling: bool = False  # R7: drop equal-reward groups; refill with new prompts (DAPO)
-    dynamic_sampling_rounds: int = 3  # R7: at most this many refill rounds per step
-    drop_zero_std_groups: bool = False  # R7 without refill: equal-reward groups leave the update
+    dynamic_sampling_rounds: int = 3  # R7: at most this many refill rounds per step; 0 = no refill
     gpu_memory_utilization: float = 0.4  # R1: vLLM's share of the GPU (0.3-0.5)
     vllm_cpu_kv_cache_gb: int = 1  # R1: KV cache of vLLM on a CPU (VLLM_CPU_KVCACHE_SPACE), GiB
     vllm_sleep_level: int = 2  # R1: GPU sleep: 1 offloads weights to CPU, 2 drops them; 0 = none
     push_bucket_mb: int = 256  # R2: weights go to vLLM in gathered buckets of this many MB
-    parity_warn: float = 0.0  # R2: warn past this mean sampler-trainer logprob gap; 0 = by dtype
     is_correction: str = "off"  # R2: weight pi_old / q (q: sampler): "token" | "sequence" | "off"
     is_mode: str = "truncate"  # R2: over the cap: cut to it ("truncate", TIS) or dropped ("mask")
-    is_cap: float = 2.0  # R2: cap on the per-token ratio (TRL vllm_importance_sampling_cap)
-    is_seq_cap: float = 3.0  # R2: cap on a completion's ratio, the product over its tokens
+    is_cap: float = 2.0  # R2: cap on rho, a token's or a completion's (TRL clip_max: 3, sequence)
     is_floor: float = 0.0  # R2, R8: the band's floor: below it raised (truncate) or out; 0 = none
     async_rollouts: bool = False  # R8: a sampler process makes the next batches during updates
     max_staleness: int = 1  # R8: batch t is made with the weights after t - max_staleness updates
@@ -161,10 +157,8 @@ class Config:
     # ---- adaptive KL (F2) ----
     adaptive_kl: bool = False  # F2: every kl_window steps, scale beta by the mean KL; False = fixed
     kl_window: int = 20  # F2: steps between beta updates
-    kl_high: float = 0.08  # F2: mean KL above this multiplies beta by kl_up
-    kl_low: float = 0.01  # F2: mean KL below this multiplies beta by kl_down
-    kl_up: float = 1.2  # F2: factor applied to beta when the KL is too high
-    kl_down: float = 0.8  # F2: factor applied to beta when the KL is too low
+    kl_high: float = 0.08  # F2: mean KL above this multiplies beta by 1.2 (loss.adaptive_kl_beta)
+    kl_low: float = 0.01  # F2: mean KL below this multiplies beta by 0.8
 
     # ---- optimisation (O1, O2, O5) ----
     lr: float = 3e-5  # O1: peak AdamW lr (5e-7..1e-6 for 3B full fine-tuning; 135M takes far more)
@@ -179,7 +173,6 @@ class Config:
     dtype: str = "auto"  # O5: "bfloat16" | "float32" | "auto": bf16 on GPU and on a CPU with bf16
     # arithmetic (AMX, AVX-512 BF16), else fp32; the loss is fp32 either way
     gradient_checkpointing: bool = False  # O5: recompute activations: less memory, ~30% more time
-    cpu_keep_memory: bool = True  # CPU: freed memory stays for reuse (mallopt); False = glibc's way
     lora_rank: int = 0  # O5: LoRA rank through peft; 0 = full fine-tuning
     lora_alpha: int = 32  # O5: LoRA scale numerator (the update is scaled by lora_alpha / rank)
 
@@ -192,7 +185,6 @@ class Config:
 
     # ---- derived: computed by derive(), never set by hand ----
     prompts_per_step: int = field(default=0, init=False)  # batch_size // group_size
-    parity_warn_eff: float = field(default=0.0, init=False)  # parity_warn, else PARITY_WARN[dtype]
     shaping: dict = field(default_factory=dict, init=False)  # W2-W3 settings: shape_reward's kwargs
     component_weights: dict = field(default_factory=dict, init=False)  # reward_weights as a dict
     data_column_map: dict = field(default_factory=dict, init=False)  # data_columns as {old: new}
@@ -205,9 +197,23 @@ class Config:
 PARITY_WARN = {"float32": 1e-3, "bfloat16": 0.1}
 
 REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty",
-               "length_soft_limit", "length_penalty", "length_penalty_tokens", "length_min")
+               "length_soft_limit", "length_penalty", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
 RENAMED = {"eval_k": ("eval_n", "samples per eval problem, for avg@n, pass@k and maj@n")}
+# settings deleted (dev/LOG.md says why), and what to write instead
+DELETED = {
+    "drop_zero_std_groups": "DAPO's filter without its refill is --dynamic_sampling=true "
+                            "--dynamic_sampling_rounds=0",
+    "is_seq_cap": "is_cap caps rho at either is_correction level, as TRL's clip_max and verl's "
+                  "rollout_is_threshold",
+    "cpu_keep_memory": "freed memory always stays in the process on a CPU (perf/cpu.py)",
+    "kl_up": "adaptive KL multiplies beta by 1.2 (loss.adaptive_kl_beta's `up`)",
+    "kl_down": "adaptive KL multiplies beta by 0.8 (loss.adaptive_kl_beta's `down`)",
+    "parity_warn": "the sampler-trainer gap warns above a bound by compute dtype, "
+                   "config.PARITY_WARN (1e-3 in fp32, 0.1 in bf16)",
+    "length_penalty_tokens": "length_penalty is per 32 tokens (shaping.shape_reward's "
+                             "length_penalty_tokens)",
+}
 CHOICES = {
     "adv_scale": ("group", "batch", "none"), "adv_baseline": ("mean", "leave-one-out"),
     "policy_loss": ("clip", "cispo", "sapo", "gpg"), "kl_estimator": ("k3", "k1", "k2"),
@@ -239,7 +245,6 @@ def derive(cfg):
     cfg.data_column_map = pairs("data_columns", cfg.data_columns)
     if cfg.dtype == "auto":  # O5: resolved once here: the engine, the trainer and pre-flight agree
         cfg.dtype = "bfloat16" if on_gpu(cfg) or cpu_bf16(cfg) else "float32"
-    cfg.parity_warn_eff = cfg.parity_warn or PARITY_WARN[cfg.dtype]
     return cfg
 
 
@@ -345,6 +350,8 @@ def _check_name(name, where):
     if name in RENAMED:
         new, what = RENAMED[name]
         raise ConfigError(f"{where}: '{name}' is now '{new}' ({what}); write {new} instead")
+    if name in DELETED:
+        raise ConfigError(f"{where}: '{name}' is no longer a setting: {DELETED[name]}")
     if name in DERIVED:
         raise ConfigError(f"{where}: '{name}' is derived from other settings and cannot be set")
     if name not in Config.__dataclass_fields__:
@@ -494,7 +501,7 @@ def validate(cfg):
                  "mini_batches", "kl_window", "train_size", "eval_n", "max_nonfinite",
                  "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha", "push_bucket_mb",
                  "test_size", "countdown_max_number", "countdown_max_target", "math_max_number",
-                 "length_penalty_tokens", "max_tool_calls", "tool_output_chars"):
+                 "max_tool_calls", "tool_output_chars"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
     for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay",
                  "grad_clip", "lora_rank", "length_soft_limit", "length_min",
@@ -502,8 +509,7 @@ def validate(cfg):
                  "sample_groups", "temperature_end", "dynamic_sampling_rounds",
                  "ref_refresh_steps", "reward_workers", "reward_timeout", "tool_error_penalty"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
-    for name in ("is_cap", "is_seq_cap"):
-        need(getattr(cfg, name) > 1, f"{name}={getattr(cfg, name)} must be > 1 (TRL uses 2-3)")
+    need(cfg.is_cap > 1, f"is_cap={cfg.is_cap} must be > 1 (TRL uses 2-3)")
     need(0 <= cfg.is_floor < 1, f"is_floor={cfg.is_floor} must be in [0, 1) (IcePop: 0.5)")
     need(cfg.max_staleness >= 1, f"max_staleness={cfg.max_staleness} must be >= 1 (R8: 1 is one "
                                  "batch ahead)")

@@ -83,16 +83,9 @@ def evaluate_all(engine, eval_sets, cfg, sampled=True):
     return metrics, texts
 
 
-def eval_is_due(cfg, step):
-    """M2 before this step's update: every eval_every steps (step 0: the base model); the last one
-    comes after the last update, in end_step."""
-    return bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.max_steps - 1
-
-
-def eval_due(engine, eval_sets, cfg, step):
-    """M2's metrics before this step's update, where eval_is_due; else {}."""
-    if not eval_is_due(cfg, step):
-        return {}
+def evaluate_in_run(engine, eval_sets, cfg, step):
+    """M2's metrics before this step's update (grpo.eval_is_due), on the weights the engine
+    holds."""
     start = time.perf_counter()
     # greedy only unless asked: the in-run evals draw the curve, the final one is full
     metrics = evaluate_all(engine, eval_sets, cfg, sampled=cfg.eval_in_run_sampled)[0]

@@ -44,7 +44,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -55,7 +55,7 @@ from advantage import group_advantages, group_stats
 from async_rollouts import AsyncRollouts, Phases, load_pending
 from checkpoint import TrainState, load_checkpoint, save_checkpoint
 from config import ConfigError
-from evals import eval_due, eval_only, wake_and_evaluate
+from evals import eval_only, evaluate_in_run, wake_and_evaluate
 from log import Diverged, Logger, diverged, dump_samples, memory_gb, timed
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
 from model import push_weights_iter, sequence_logprobs
@@ -64,7 +64,7 @@ from prepare import Split, build_models, eval_split, make_engine, make_sampler, 
 from rollout import row_seeds
 from task import multi_turn, score, tokenize_prompts
 
-# ---------------------------------------------------------------- seeds
+# ---------------------------------------------------------------- seeds and schedules
 
 
 def sampling_seeds(cfg, step, first, count):
@@ -78,6 +78,12 @@ def temperature_at(step, cfg):
         progress = step / max(1, cfg.max_steps - 1)
         return cfg.temperature + (cfg.temperature_end - cfg.temperature) * progress
     return cfg.temperature
+
+
+def eval_is_due(cfg, step):
+    """M2 before this step's update: every eval_every steps (step 0: the base model); the last one
+    comes after the last update, in end_step."""
+    return bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.max_steps - 1
 
 
 # ---------------------------------------------------------------- rollouts (R3, R7, W1)
@@ -111,19 +117,11 @@ class Rollouts:
     def rows(self, rows, names=None):
         """These rows, in this order; components `names` (default: this batch's)."""
         names = list(self.components) if names is None else names
-        return Rollouts(
-            problem=[self.problem[r] for r in rows],
+        return replace(
+            self, problem=[self.problem[r] for r in rows],
             completions=[self.completions[r] for r in rows] if self.completions else [],
-            rewards=self.rewards[rows],
             components={k: self.component(k)[rows] for k in names},
-            lengths=self.lengths[rows],
-            truncated=self.truncated[rows],
-            tool_calls=self.tool_calls[rows],
-            tool_errors=self.tool_errors[rows],
-            tool_tokens=self.tool_tokens[rows],
-            score_seconds=self.score_seconds,
-            tool_seconds=self.tool_seconds,
-        )
+            **{f: getattr(self, f)[rows] for f in ROW_TENSORS})
 
     def groups(self, which, G):
         """The rows of the given group indices, in order."""
@@ -134,19 +132,13 @@ class Rollouts:
         may report a component for some problems only; a batch whose rewards all failed has errors
         alone)."""
         names = sorted({*self.components, *other.components})
-        return Rollouts(
-            problem=self.problem + other.problem,
+        return replace(
+            self, problem=self.problem + other.problem,
             completions=self.completions + other.completions,
-            rewards=torch.cat([self.rewards, other.rewards]),
             components={k: torch.cat([self.component(k), other.component(k)]) for k in names},
-            lengths=torch.cat([self.lengths, other.lengths]),
-            truncated=torch.cat([self.truncated, other.truncated]),
-            tool_calls=torch.cat([self.tool_calls, other.tool_calls]),
-            tool_errors=torch.cat([self.tool_errors, other.tool_errors]),
-            tool_tokens=torch.cat([self.tool_tokens, other.tool_tokens]),
             score_seconds=self.score_seconds + other.score_seconds,
             tool_seconds=self.tool_seconds + other.tool_seconds,
-        )
+            **{f: torch.cat([getattr(self, f), getattr(other, f)]) for f in ROW_TENSORS})
 
     def gathered(self):
         """Every rank's rows in rank order (= one process's order), without the completions."""
@@ -156,19 +148,14 @@ class Rollouts:
 
         # every rank gathers the union of the ranks' component names, in one order
         names = sorted(set(parallel.all_gather_list(sorted(self.components))))
-        return Rollouts(
-            problem=parallel.all_gather_list(self.problem),
-            completions=[],
-            rewards=gather(self.rewards),
+        return replace(
+            self, problem=parallel.all_gather_list(self.problem), completions=[],
             components={k: gather(self.component(k)) for k in names},
-            lengths=gather(self.lengths),
-            truncated=gather(self.truncated),
-            tool_calls=gather(self.tool_calls),
-            tool_errors=gather(self.tool_errors),
-            tool_tokens=gather(self.tool_tokens),
-            score_seconds=self.score_seconds,
-            tool_seconds=self.tool_seconds,
-        )
+            **{f: gather(getattr(self, f)) for f in ROW_TENSORS})
+
+
+# Rollouts' (N,) tensors: rows(), + and gathered() take each alike
+ROW_TENSORS = ("rewards", "lengths", "truncated", "tool_calls", "tool_errors", "tool_tokens")
 
 
 def generate_and_score(engine, train, idx, seeds, cfg, temperature):
@@ -254,7 +241,7 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
     drawn = batch.gathered()
     rounds = 0
     num_drawn = cfg.prompts_per_step
-    if cfg.dynamic_sampling:  # R7: keep only groups with a reward spread; refill with fresh prompts
+    if cfg.dynamic_sampling:  # R7: keep only groups with a reward spread; refill (rounds > 0)
         batch = batch.groups(informative_groups(batch.rewards, G), G)
         # refill rounds follow the global minimum, so every rank draws from the sampler alike
         while rounds < cfg.dynamic_sampling_rounds:
@@ -270,8 +257,6 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
             rounds += 1
             num_drawn += need * world
         batch = batch.groups(range(min(share, len(batch) // G)), G)
-    elif cfg.drop_zero_std_groups:  # R7's filter without the refill: the batch may come out smaller
-        batch = batch.groups(informative_groups(batch.rewards, G), G)
     times["time/score"] = batch.score_seconds
     if multi_turn(cfg, train.task):  # the tool or environment calls, inside generation's turns
         times["time/tools"] = batch.tool_seconds
@@ -391,8 +376,6 @@ def prepare_update(batch, advantages, cfg, pad_id, device, idle=frozenset()):
     ids, attention, mask, sampler_lp = pad_batch(batch.completions, pad_id)
     if cfg.mask_truncated:  # R6: a cut-off completion has no final answer to judge; no loss for it
         mask = mask * (1 - batch.truncated)[:, None]
-    if cfg.shared_prompt:
-        shared_prompt.check_shared_prompts(batch.completions, cfg.group_size)
     t = dict(ids=ids, attention=attention, mask=mask, sampler_lp=sampler_lp, advantages=advantages,
              prompt_lens=torch.tensor([len(c.prompt_ids) for c in batch.completions]),
              groups=torch.arange(len(batch)) // cfg.group_size)
@@ -422,14 +405,10 @@ def prepare_update(batch, advantages, cfg, pad_id, device, idle=frozenset()):
 # ---------------------------------------------------------------- the passes (F1, L5-L7)
 
 
-def forward_logprobs(model, ids, attention, cfg, temperature, prompt_lens=None, groups=None):
-    """(logprobs, entropy), each (b, L-1) fp32, of the tokens ids[:, 1:] (L6: bf16 compute under
-    autocast, fp32 logprobs). With prompt_lens and groups (b,), rows of a group share their prompt,
-    computed once (perf/shared_prompt.py)."""
+def forward_logprobs(model, ids, attention, cfg, temperature):
+    """(logprobs, entropy), each (b, L-1) fp32, of the tokens ids[:, 1:] of right-padded rows (L6:
+    bf16 compute under autocast, fp32 logprobs)."""
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
-        if prompt_lens is not None:
-            return shared_prompt.shared_prompt_logprobs(model, ids, attention, prompt_lens, groups,
-                                                        temperature, cfg)
         return sequence_logprobs(model, ids, temperature, cfg, attention_mask=attention)
 
 
@@ -438,8 +417,8 @@ def micro_batch_logprobs(model, ub, mb, cfg, temperature):
     L = int(ub.attention[mb].sum(1).max())
     ids, attention = ub.ids[mb, :L], ub.attention[mb, :L]
     if cfg.shared_prompt:  # a group's G completions on one pass over their prompt, not G
-        return forward_logprobs(model, ids, attention, cfg, temperature, ub.prompt_lens[mb],
-                                ub.groups[mb])
+        return shared_prompt.shared_prompt_logprobs(model, ids, attention, ub.prompt_lens[mb],
+                                                    ub.groups[mb], temperature, cfg)
     return forward_logprobs(model, ids, attention, cfg, temperature)
 
 
@@ -564,8 +543,7 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
         old = passes.old[mb, :T] if passes.old is not None else lp.detach()
         is_weights, is_metrics = None, {}
         if cfg.is_correction != "off":  # R2: correct for sampling from vLLM's q rather than pi_old
-            cap = cfg.is_cap if cfg.is_correction == "token" else cfg.is_seq_cap
-            is_weights, is_metrics = sampler_is_weights(old, sampler_lp, mask, cap=cap,
+            is_weights, is_metrics = sampler_is_weights(old, sampler_lp, mask, cap=cfg.is_cap,
                                                         level=cfg.is_correction, action=cfg.is_mode,
                                                         floor=cfg.is_floor)
         behaviour = old  # pi_old of the ratio
@@ -632,14 +610,13 @@ def count_nonfinite(stepped, state, cfg, loss, grad_norm):
 
 
 def adapt_beta(state, kl, cfg):
-    """F2: every kl_window steps, scale beta by the window's mean token KL (a no-op when off)."""
-    if not cfg.adaptive_kl or kl is None:
+    """F2: every kl_window steps, scale beta by the window's mean token KL."""
+    if kl is None:  # no KL term this step
         return
     state.kl_history.append(kl)
     if len(state.kl_history) >= cfg.kl_window:
         mean_kl = sum(state.kl_history) / len(state.kl_history)
-        state.beta = adaptive_kl_beta(state.beta, mean_kl, high=cfg.kl_high, low=cfg.kl_low,
-                                      up=cfg.kl_up, down=cfg.kl_down)
+        state.beta = adaptive_kl_beta(state.beta, mean_kl, high=cfg.kl_high, low=cfg.kl_low)
         state.kl_history = []
 
 
@@ -681,7 +658,7 @@ def main(argv, wrap_engine=lambda engine: engine):
     if resume_from:
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
     if cfg.async_rollouts and not cfg.eval_only:  # R8: a sampler process makes the rollouts
-        phases = Phases(collect_rollouts, temperature_at)
+        phases = Phases(collect_rollouts, temperature_at, eval_is_due)
         rollouts = AsyncRollouts(cfg, path, device, policy, sampler, state.step, phases,
                                  load_pending(resume_from, Rollouts))
         engine_name, final_eval = f"{cfg.engine} in a sampler process", rollouts.final_eval
@@ -714,7 +691,9 @@ def main(argv, wrap_engine=lambda engine: engine):
             with timed(times, "time/push"):
                 engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))  # weights, push, KV
             memory["mem/after_wake_gb"] = memory_gb()
-            evals = eval_due(engine, eval_sets, cfg, step)  # M2
+            evals = {}
+            if eval_is_due(cfg, step):  # M2: every eval_every steps, before the update
+                evals = evaluate_in_run(engine, eval_sets, cfg, step)
 
             # ---- sample prompts, generate G completions each, score them; R7 refills; D2
             batch, drawn, rounds = collect_rollouts(engine, sampler, train, cfg, step,
@@ -731,7 +710,7 @@ def main(argv, wrap_engine=lambda engine: engine):
                                       cfg, multi_turn(cfg, train.task))
         metrics.update({**times, **memory, **evals})
         if parallel.all_sum(len(batch)) == 0:  # R7's filter dropped every group: nothing to train
-            if cfg.dynamic_sampling:  # without refills a step like this is no surprise late on
+            if cfg.dynamic_sampling_rounds:  # without refills a step like this is no surprise
                 print(f"step {step}: no group with a reward spread after {rounds} refill rounds; "
                       "skipping the update")
             state.step = step + 1
@@ -767,8 +746,10 @@ def main(argv, wrap_engine=lambda engine: engine):
         metrics.update(log.step_metrics(update, ub, lr))
         metrics.update({"time/checkpoint": checkpoint_seconds, **times})
         next_parity_warning = log.warn_on_parity(metrics, cfg, step, next_parity_warning)
-        adapt_beta(state, metrics["kl"], cfg)
-        dump_samples(cfg, step, batch, advantages, train_problems, tokenizer)
+        if cfg.adaptive_kl:
+            adapt_beta(state, metrics["kl"], cfg)
+        if cfg.sample_every and step % cfg.sample_every == 0:
+            dump_samples(cfg, step, batch, advantages, train_problems, tokenizer)
 
         # ---- eval after the last update (M2), the log line, checkpoint
         checkpoint_seconds = end_step(cfg, step, metrics, t_step, final_eval, logger, save)

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 import parallel
+from config import PARITY_WARN
 
 # the phases every step times (time/<phase> in metrics.jsonl): one list for the bench and the plot
 PHASES = ["generate", "tools", "score", "push", "sleep", "ref", "old", "update", "checkpoint",
@@ -95,9 +96,9 @@ def memory_gb():
 
 
 def dump_samples(cfg, step, batch, advantages, problems, tokenizer):
-    """W6: every sample_every steps, a few of rank 0's whole groups to samples.jsonl
+    """W6 (every sample_every steps): a few of rank 0's whole groups to samples.jsonl
     (task.py --replay re-scores)."""
-    if not cfg.sample_every or step % cfg.sample_every or parallel.rank() > 0:
+    if parallel.rank() > 0:
         return
     with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
         for r in range(min(cfg.sample_groups * cfg.group_size, len(batch))):
@@ -208,7 +209,7 @@ def rollout_metrics(step, drawn, stats, batch, rounds, beta, temperature, cfg, t
         out["tools/error_rate"] = drawn.tool_errors.sum().item() / calls if calls else None
         out["tools/share_using"] = (drawn.tool_calls > 0).float().mean().item()
         out["tools/output_tokens"] = int(drawn.tool_tokens.sum())  # context, not trained on
-    if cfg.dynamic_sampling or cfg.drop_zero_std_groups:  # R7: what the update trained on
+    if cfg.dynamic_sampling:  # R7: what the update trained on
         kept = batch.gathered()
         out["kept/prompts"] = len(kept) // cfg.group_size
         # the share of the groups drawn that the update left out (no refill: the batch shrinks)
@@ -263,11 +264,11 @@ def warn_on_parity(metrics, cfg, step, next_warning):
     """R2: warn, at most every 10 steps, when the sampler's logprobs stray from the trainer's."""
     gap = metrics["sampler_logprob_diff_mean"]
     # R8: a batch made with older weights differs by its staleness too: on-policy batches only
-    if gap is None or metrics.get("staleness", 0) > 0 or gap <= cfg.parity_warn_eff \
-            or step < next_warning:
+    bound = PARITY_WARN[cfg.dtype]
+    if gap is None or metrics.get("staleness", 0) > 0 or gap <= bound or step < next_warning:
         return next_warning
     print(f"warning: step {step}: sampler vs trainer logprob gap {gap:.2e} > "
-          f"{cfg.parity_warn_eff} (parity_warn, {cfg.dtype}); usual causes: stale weights (a push "
+          f"{bound} (config.PARITY_WARN, {cfg.dtype}); usual causes: stale weights (a push "
           "skipped, or weights reloaded from disk), a temperature mismatch, or top_p/top_k < 1 "
           "(the trainer does not truncate)")
     return step + 10

@@ -53,9 +53,8 @@ def prepare_run(argv):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     rank, _, device = parallel.setup(device)  # under torchrun: join the process group
-    if device == "cpu" and cfg.cpu_keep_memory and not cpu.keep_freed_memory():
-        print("cpu_keep_memory: this C library has no mallopt (not glibc); its allocator is left "
-              "as it is")
+    if device == "cpu" and not cpu.keep_freed_memory():  # exact; an update ~1.3x faster
+        print("this C library has no mallopt (not glibc): freed memory goes back to the system")
     if device == "cpu" and cfg.dtype == "bfloat16":
         cpu.cap_kernel_cache()
     if rank > 0:

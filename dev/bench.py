@@ -245,7 +245,7 @@ def passes(argv, shape, repeats):
 
     cfg = config_from_argv(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and cfg.cpu_keep_memory:  # times as the trainer's (grpo.prepare_run)
+    if device == "cpu":  # times as the trainer's (prepare.prepare_run)
         keep_freed_memory()
     if device == "cpu" and cfg.dtype == "bfloat16":
         cap_kernel_cache()

@@ -1,8 +1,9 @@
 """The code one training step runs, function by function in call order: how much a reader reads.
 
-    python -m dev.corridor                                   # the default run's second step
+    python -m dev.corridor                         # the default run's second step, as read
+    python -m dev.corridor --as-run                # ... every function it runs
     python -m dev.corridor --config config/tiny.py --engine=hf --step 1
-    python -m dev.corridor --table                           # every function, in call order
+    python -m dev.corridor --table                 # every function, in call order
 
 Runs grpo.main with a profiler on from the start of step `--step` (default 1: step 0 also evaluates
 the base model) to the end of that step, and records each project function the first time it is
@@ -11,6 +12,12 @@ lines (each function's whole source, a nested function counted with the one arou
 and the jumps: how often the next function met lies in another file than the one before. Library
 code (torch, vLLM, transformers) is not counted; neither is set-up before the step nor the final
 eval.
+
+As read (the default): the step a reader follows. The fast paths on by default (FAST_PATHS) each
+enter through one `if cfg.x:` whose `else` is the plain code, so the step runs with them off and
+the plain code is counted; the reward runner's process handling and the CPU kernels (PASSED_OVER)
+each sit behind one call, listed in the table but not counted. --as-run counts everything the
+default step runs.
 """
 
 import argparse
@@ -24,6 +31,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP = (os.path.join(ROOT, "tests") + os.sep, os.path.join(ROOT, "dev") + os.sep)
+# on by default, each one `if cfg.x:` away from its plain `else` (perf/shared_prompt.py,
+# perf/logprobs.py)
+FAST_PATHS = ("--shared_prompt=false", "--chunked_logprobs=false")
+# behind one call each: the reward runner (scoring.task_rewards: processes, deadlines, what a reward
+# returns) and its sandbox; perf/cpu.py's attention kernel (installed at load) and vLLM-CPU's seed
+PASSED_OVER = ("scoring.py", "sandbox.py", "perf" + os.sep)
 
 
 def project_file(path):
@@ -103,36 +116,53 @@ def sources(file):
         return f.readlines()
 
 
-def report(functions, table=False):
-    """Print the table (with --table) and the totals."""
-    jumps = sum(a[0] != b[0] for a, b in zip(functions, functions[1:]))
+def report(functions, table=False, as_run=False):
+    """Print the table (with --table) and the totals; as read, PASSED_OVER's functions are listed
+    but not counted."""
+    passed = [f for f in functions if not as_run and f[0].startswith(PASSED_OVER)]
+    read = [f for f in functions if f not in passed]
+    jumps = sum(a[0] != b[0] for a, b in zip(read, read[1:]))
     files = {}
-    for file, _, _, n in functions:
+    for file, _, _, n in read:
         files[file] = files.get(file, 0) + n
     if table:
         print(f"{'#':>3}  {'file':<22} {'function':<40} {'lines':>5}")
         for i, (file, name, first, n) in enumerate(functions):
-            print(f"{i:>3}  {file:<22} {name:<40} {n:>5}")
+            shown = f"({n})" if (file, name, first, n) in passed else n
+            print(f"{i:>3}  {file:<22} {name:<40} {shown:>5}")
     print(f"\n{'file':<22} {'lines':>5}")
     for file, n in sorted(files.items(), key=lambda kv: -kv[1]):
         print(f"{file:<22} {n:>5}")
     lines = sum(files.values())
-    print(f"\none step: {lines} lines in {len(functions)} functions over {len(files)} files, "
+    how = "as run" if as_run else "as read"
+    print(f"\none step, {how}: {lines} lines in {len(read)} functions over {len(files)} files, "
           f"{jumps} jumps between files")
+    if passed:
+        print(f"passed over (behind one call each): {sum(f[3] for f in passed)} lines in "
+              f"{len(passed)} functions of {', '.join(sorted({f[0] for f in passed}))}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", type=int, default=1, help="the step traced (0 also evaluates)")
     parser.add_argument("--table", action="store_true", help="print every function in call order")
+    parser.add_argument("--as-run", action="store_true",
+                        help="count all the step runs: fast paths on, nothing passed over")
     args, rest = parser.parse_known_args()
     with tempfile.TemporaryDirectory(prefix="corridor_") as out_dir:  # the run's files go with it
         record = os.path.join(out_dir, "calls.tsv")
+        # the source as it runs, whatever is edited meanwhile
+        for folder, _, names in os.walk(ROOT):
+            for name in names:
+                path = os.path.join(folder, name)
+                if name.endswith(".py") and project_file(path) and ".git" not in path:
+                    sources(os.path.relpath(path, ROOT))
+        fast_paths_off = () if args.as_run else FAST_PATHS
         # one step more than the traced one: the last step's final eval and checkpoint are not a
         # step's
-        argv = [*rest, f"--out_dir={out_dir}/run", f"--max_steps={args.step + 2}"]
+        argv = [*fast_paths_off, *rest, f"--out_dir={out_dir}/run", f"--max_steps={args.step + 2}"]
         trace_step(argv, args.step, record)
-        report(read_records(record), args.table)
+        report(read_records(record), args.table, args.as_run)
 
 
 if __name__ == "__main__":

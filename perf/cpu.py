@@ -1,7 +1,7 @@
 """On a CPU: what makes the default run fast there, and nothing a GPU run needs.
 
 Four settings, each exact (the same numbers as without it):
-    keep_freed_memory     glibc keeps freed memory in the process (cpu_keep_memory)
+    keep_freed_memory     glibc keeps freed memory in the process
     cap_kernel_cache      oneDNN keeps few compiled bf16 kernels (bf16 runs)
     grouped_heads         attention takes grouped key/value heads as they are, no copies
     VLLM_CPU_BLOCK_SIZE   vLLM's KV blocks short enough to share a group's prompt
@@ -28,8 +28,7 @@ def seed_vllm(seed):
 
 
 def keep_freed_memory():
-    """On a CPU, glibc keeps freed memory in the process for the next allocation (cpu_keep_memory);
-    True if set.
+    """On a CPU, glibc keeps freed memory in the process for the next allocation; True if set.
 
     By default each block over a threshold (32 MB at most) gets its own mapping and goes back to the
     kernel when freed, so every micro-batch's logits, gradients and activations are faulted back in

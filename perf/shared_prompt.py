@@ -59,16 +59,6 @@ def shared_micro_batches(lengths, prompt_lens, groups, budget, runs=True):
     return out + [current] if current else out
 
 
-def check_shared_prompts(completions, G):
-    """shared_prompt computes a group's prompt once: its G rows must have the same prompt tokens."""
-    for start in range(0, len(completions), G):
-        group = completions[start : start + G]
-        if any(c.prompt_ids != group[0].prompt_ids for c in group):
-            raise ValueError(f"shared_prompt: the completions of group {start // G} do not share "
-                             "their prompt tokens (an engine that rewrites prompts?); set "
-                             "--shared_prompt=false")
-
-
 def tail_runs_on(cfg):
     """Whether the completion pass runs rows of similar length together (several forwards a
     micro-batch): only on one rank, where the number of forwards may differ between micro-batches
@@ -124,7 +114,7 @@ def checkpoint_with_cache(model):
 def split_shared_prompts(ids, attention, prompt_lens, groups):
     """The two passes' inputs: (n, P) each group's prompt but its last token, left-padded, and its
     mask; (b, C) each row's last prompt token + completion, right-padded, and its mask; (b,) each
-    row's group slot in 0..n-1."""
+    row's group slot in 0..n-1. A group whose rows' prompts differ is an error."""
     lengths = attention.sum(1)
     # the distinct groups here; (b,) each row's
     slots, slot_of = torch.unique(groups, return_inverse=True)
@@ -137,6 +127,12 @@ def split_shared_prompts(ids, attention, prompt_lens, groups):
         prompt_mask[s, P - prefix[s] :] = 1
     rows_ids, rows_mask = ids.new_zeros(len(ids), C), attention.new_zeros(len(ids), C)
     for r in range(len(ids)):
+        f = first[int(slot_of[r])]
+        if prompt_lens[r] != prompt_lens[f] or not torch.equal(ids[r, : prompt_lens[r]],
+                                                                ids[f, : prompt_lens[f]]):
+            raise ValueError(f"shared_prompt: the rows of group {int(groups[r])} do not share "
+                             "their prompt tokens (an engine that rewrites prompts?); set "
+                             "--shared_prompt=false")
         n = int(lengths[r] - prompt_lens[r] + 1)
         rows_ids[r, :n] = ids[r, prompt_lens[r] - 1 : lengths[r]]
         rows_mask[r, :n] = 1
@@ -185,7 +181,10 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
         ids, attention, prompt_lens, groups)
     P = prompt_ids.shape[1]
     prompt_kv, tie = None, 0.0
-    with checkpoint_with_cache(model):
+    # L6: bf16 compute under autocast, as grpo.forward_logprobs (inside a caller's autocast if off)
+    bf16 = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16"
+            else contextlib.nullcontext())
+    with bf16, checkpoint_with_cache(model):
         if P > 0:
             cache = PromptCache()
             positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)

@@ -145,7 +145,7 @@ def test_a_sampler_that_raises_stops_the_trainer_with_its_traceback(tmp_path):
     cfg = load_config(overrides=["--model=tiny", "--engine=hf", "--async_rollouts=true",
                                  f"--out_dir={tmp_path}", "--task=digits"])
     missing = str(tmp_path / "no_model_here")
-    phases = Phases(grpo.collect_rollouts, grpo.temperature_at)
+    phases = Phases(grpo.collect_rollouts, grpo.temperature_at, grpo.eval_is_due)
     rollouts = AsyncRollouts(cfg, missing, "cpu", torch.nn.Linear(2, 2), PromptSampler(10, 0), 0,
                              phases)
     try:

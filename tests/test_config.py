@@ -78,7 +78,7 @@ def test_defaults_load_and_derive():
     cfg = load_config(overrides=["--wrong_penalty=-0.1", "--reward_weights=brief:0.5, style:0",
                                  "--data_columns=question:prompt"])
     assert (cfg.shaping["wrong_penalty"] == -0.1 and cfg.shaping["format_weight"] == 0.1
-            and len(cfg.shaping) == 8)
+            and len(cfg.shaping) == 7)
     assert (cfg.component_weights == {"brief": 0.5, "style": 0.0}
             and cfg.data_column_map == {"question": "prompt"})
 
@@ -282,12 +282,27 @@ def test_gspo_as_the_paper_runs_it_does_not_warn():
 
 
 def test_is_correction_settings():
-    cfg = load_config(overrides=["--is_correction=sequence", "--is_mode=mask", "--is_seq_cap=5"])
-    assert (cfg.is_correction, cfg.is_mode, cfg.is_seq_cap) == ("sequence", "mask", 5.0)
+    cfg = load_config(overrides=["--is_correction=sequence", "--is_mode=mask", "--is_cap=5"])
+    assert (cfg.is_correction, cfg.is_mode, cfg.is_cap) == ("sequence", "mask", 5.0)
     with pytest.raises(ConfigError, match="is_mode='clip'; choose one of"):
         load_config(overrides=["--is_mode=clip"])
-    with pytest.raises(ConfigError, match="is_seq_cap=1.0 must be > 1"):
-        load_config(overrides=["--is_seq_cap=1"])
+    with pytest.raises(ConfigError, match="is_cap=1.0 must be > 1"):
+        load_config(overrides=["--is_cap=1"])
+
+
+def test_a_deleted_setting_says_what_to_write_instead(tmp_path):
+    """A setting deleted from Config is not a typo: the command line and a run file both get what
+    replaces it, and no deleted name is a setting still."""
+    from config import DELETED
+
+    assert DELETED and not set(DELETED) & set(Config.__dataclass_fields__)
+    with pytest.raises(ConfigError, match="'drop_zero_std_groups' is no longer a setting: DAPO's "
+                                          "filter .* --dynamic_sampling_rounds=0"):
+        load_config(overrides=["--drop_zero_std_groups=true"])
+    run = tmp_path / "run.py"
+    run.write_text("is_seq_cap = 3.0\n")
+    with pytest.raises(ConfigError, match="run.py: 'is_seq_cap' is no longer a setting: is_cap"):
+        load_config(str(run))
 
 
 # ---------------------------------------------------------------- settings that used to fail late
@@ -366,7 +381,6 @@ def test_dtype_auto_is_bf16_on_a_gpu_or_a_cpu_with_bf16_arithmetic(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(config, "cpu_bf16", lambda cfg: True)
     assert load_config().dtype == "bfloat16"
-    assert load_config().parity_warn_eff == config.PARITY_WARN["bfloat16"]
     assert load_config(overrides=["--dtype=float32"]).dtype == "float32"
     monkeypatch.setattr(config, "cpu_bf16", lambda cfg: False)
     assert load_config().dtype == "float32"

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import config
 from config import load_config
 from model import build_tiny, load_policy, sdpa_off_cudnn, self_attending_mask
 
@@ -203,7 +204,8 @@ def test_hf_engine_prefill_of_left_padded_prompts_on_the_device(tiny_folder, dev
     ids, attention, mask, sampler_lp = (t.to(device) for t in padded)
     with torch.no_grad():
         lp, _ = forward_logprobs(policy, ids, attention, cfg, 1.0)
-    assert ((lp - sampler_lp).abs() * mask).sum().item() / mask.sum().item() < cfg.parity_warn_eff
+    gap = ((lp - sampler_lp).abs() * mask).sum().item() / mask.sum().item()
+    assert gap < config.PARITY_WARN[cfg.dtype]
 
 
 def weight_sized_tensors_made(fn, numel):
@@ -370,8 +372,8 @@ def vllm_on_the_device(folder, level, out, device):
     engine = VLLMEngine(folder, cfg, device)
     engine.wake(push_weights_iter(policy))
     first = sample(0)
-    result = {"gap_first": gap(first), "bound": cfg.parity_warn_eff, "seeds_0": ids(first),
-              "seeds_0_again": ids(sample(0)), "seeds_100": ids(sample(100)),
+    result = {"gap_first": gap(first), "bound": config.PARITY_WARN[cfg.dtype],
+              "seeds_0": ids(first), "seeds_0_again": ids(sample(0)), "seeds_100": ids(sample(100)),
               "greedy_first": ids(sample(0, 0.0))}
     on_gpu = device == "cuda"
     awake = torch.cuda.mem_get_info()[0] if on_gpu else 0

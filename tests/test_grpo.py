@@ -912,15 +912,17 @@ def three_groups(cfg):
 
 
 @pytest.mark.parametrize("drop", [True, False])
-def test_drop_zero_std_groups_trains_only_on_mixed_groups(drop):
-    """Three groups of 4: all right, all wrong, mixed. With drop_zero_std_groups only the mixed
-    group reaches the loss, and the token-mean divides by its tokens alone (1 + 2 + 3 + 4 = 10, not
-    30); the log still counts every group drawn, and says which share was dropped."""
+def test_the_filter_without_refill_trains_only_on_mixed_groups(drop):
+    """Three groups of 4: all right, all wrong, mixed. With dynamic sampling's filter and no refill
+    round (DAPO's filter alone) only the mixed group reaches the loss, and the token-mean divides
+    by its tokens alone (1 + 2 + 3 + 4 = 10, not 30); the log still counts every group drawn, and
+    says which share was dropped."""
     from advantage import group_stats
 
     cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
                                         "--adv_zero_std_groups=false",
-                                        f"--drop_zero_std_groups={drop}"])
+                                        f"--dynamic_sampling={drop}",
+                                        "--dynamic_sampling_rounds=0"])
     batch, drawn = three_groups(cfg)
     advantages = grpo.group_advantages(batch.rewards, 4)
     ub = grpo.prepare_update(batch, advantages, cfg, pad_id=0, device="cpu")
@@ -946,14 +948,14 @@ def test_drop_zero_std_groups_trains_only_on_mixed_groups(drop):
 
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_groups_with_a_zero_gradient_count_but_are_not_computed(tmp_path, beta):
-    """drop_zero_std_groups=false: every group stays in the token-mean (30 tokens). With beta 0 the
-    all-right and all-wrong groups have a zero gradient, so no pass computes them (the mixed
+    """Without dynamic sampling's filter every group stays in the token-mean (30 tokens). With beta
+    0 the all-right and all-wrong groups have a zero gradient, so no pass computes them (the mixed
     group's 10 tokens are computed) and the gradient is the one of computing every row; with a KL
     term they have a gradient of their own, and every row is computed."""
     from model_files import build_tiny
 
     cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
-                                        "--drop_zero_std_groups=false", f"--beta={beta}",
+                                        f"--beta={beta}",
                                         "--dtype=float32"])
     batch, _ = three_groups(cfg)
     idle = grpo.zero_gradient_rows(batch, cfg)

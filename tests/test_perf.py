@@ -433,6 +433,26 @@ def test_shared_prompt_rows_may_come_in_any_order_and_split_a_group(tiny_folder)
     assert torch.allclose(got * m, want * m, atol=1e-5) and (want * m).abs().sum() > 0
 
 
+def test_rows_of_a_group_whose_prompts_differ_are_an_error(tiny_folder):
+    """Each prompt once computes a group's prompt from its first row: a group whose rows' prompts
+    differ (a token, or a length) would train its other rows on the wrong prompt. An error naming
+    the setting instead."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
+    ids, attention, mask, prompt_lens, groups = grouped_rows(model.config.vocab_size)
+    with torch.no_grad():
+        shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, 1.0, CHUNKED)  # alike
+        other = ids.clone()
+        other[3, 2] = (other[3, 2] + 1) % model.config.vocab_size  # row 3: group 1's second row
+        with pytest.raises(ValueError, match="group 1 do not share.*--shared_prompt=false"):
+            shared_prompt_logprobs(model, other, attention, prompt_lens, groups, 1.0, CHUNKED)
+        shorter = prompt_lens.clone()
+        shorter[1] -= 1  # group 0's second row: a prompt a token shorter
+        with pytest.raises(ValueError, match="group 0 do not share"):
+            shared_prompt_logprobs(model, ids, attention, shorter, groups, 1.0, CHUNKED)
+
+
 def test_checkpointing_with_shared_prompts_needs_the_cache_switch(tiny_folder, monkeypatch):
     """Before transformers 5.15.0 a checkpointed decoder layer has no _can_checkpoint_with_cache
     and drops its cache argument: the completion pass would silently attend to its own tokens
@@ -532,15 +552,16 @@ def test_grouped_heads_on_cpu_give_transformers_sdpa_numbers():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-@pytest.mark.parametrize("keep", ["true", "false"])
-def test_cpu_keep_memory_reuses_freed_blocks(tmp_path, keep):
-    """cpu_keep_memory: after prepare_run on a CPU a freed 65 MB block serves the next 64 MB one
-    with no page faults; off, glibc maps each such block afresh and every page is faulted in again
-    (ru_minflt counts them)."""
+@pytest.mark.parametrize("keep", [True, False])
+def test_freed_memory_stays_in_a_cpu_run(tmp_path, keep):
+    """After prepare_run on a CPU a freed 65 MB block serves the next 64 MB one with no page
+    faults; in a process that did not call it, glibc maps each such block afresh and every page is
+    faulted in again (ru_minflt counts them)."""
+    prepare = f"""grpo.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}",
+                  "--device=cpu"])"""
     code = f"""
 import resource, torch, grpo
-grpo.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}", "--device=cpu",
-                  "--cpu_keep_memory={keep}"])
+{prepare if keep else ""}
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 x = torch.ones(2**24 + 2**18)  # 65 MB, every page touched, then freed
 del x  # (1 MB to spare: a small allocation may take a piece of the freed block first)
@@ -552,7 +573,7 @@ print(faults() - before)
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     faults, pages = int(proc.stdout.split()[-1]), 2**26 // os.sysconf("SC_PAGE_SIZE")
-    assert faults < pages // 10 if keep == "true" else faults > pages * 9 // 10
+    assert faults < pages // 10 if keep else faults > pages * 9 // 10
 
 
 def test_a_bf16_run_on_a_cpu_caps_onednns_kernel_cache(tmp_path):
