@@ -88,6 +88,9 @@ def eval_is_due(cfg, step):
 
 # ---------------------------------------------------------------- rollouts (R3, R7, W1)
 
+# Rollouts' (N,) tensors: rows(), + and gathered() take each alike
+ROW_TENSORS = ("rewards", "lengths", "truncated", "tool_calls", "tool_errors", "tool_tokens")
+
 
 @dataclass
 class Rollouts:
@@ -152,10 +155,6 @@ class Rollouts:
             self, problem=parallel.all_gather_list(self.problem), completions=[],
             components={k: gather(self.component(k)) for k in names},
             **{f: gather(getattr(self, f)) for f in ROW_TENSORS})
-
-
-# Rollouts' (N,) tensors: rows(), + and gathered() take each alike
-ROW_TENSORS = ("rewards", "lengths", "truncated", "tool_calls", "tool_errors", "tool_tokens")
 
 
 def generate_and_score(engine, train, idx, seeds, cfg, temperature):
