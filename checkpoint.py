@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 import parallel
-from config import Config, ConfigError, save_config
+from config import DELETED, Config, ConfigError, save_config
 
 
 @dataclass
@@ -305,14 +305,24 @@ FREE_SETTINGS = (
 )
 RUN_SETTINGS = tuple(f.name for f in dataclasses.fields(Config)
                      if f.init and f.name not in FREE_SETTINGS)
+# deleted settings (config.DELETED) that changed what a run learns: a checkpoint saved with one off
+# the default it had would go on as another run now
+DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "is_seq_cap", "kl_up", "kl_down",
+                        "length_penalty_tokens")
 
 
 def changed_settings(cfg, saved):
     """[(name, saved value, value now)] for each of RUN_SETTINGS where `saved` (save_config's JSON)
-    differs from cfg; two paths to one file or folder (./tasks/x.py, tasks/x.py) are the same."""
+    differs from cfg; two paths to one file or folder (./tasks/x.py, tasks/x.py) are the same. A
+    deleted setting saved off its old default counts too, its value now being what replaces it."""
     now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples become the lists the JSON holds
-    return [(k, saved[k], now[k]) for k in RUN_SETTINGS
-            if k in saved and saved[k] != now[k] and not same_file(saved[k], now[k])]
+    changed = [(k, saved[k], now[k]) for k in RUN_SETTINGS
+               if k in saved and saved[k] != now[k] and not same_file(saved[k], now[k])]
+    for k in DELETED_RUN_SETTINGS:
+        default, instead = DELETED[k]
+        if k in saved and saved[k] != default:
+            changed.append((k, saved[k], f"deleted: {instead}"))
+    return changed
 
 
 def same_file(a, b):

@@ -106,7 +106,7 @@ class Config:
     push_bucket_mb: int = 256  # R2: weights go to vLLM in gathered buckets of this many MB
     is_correction: str = "off"  # R2: weight pi_old / q (q: sampler): "token" | "sequence" | "off"
     is_mode: str = "truncate"  # R2: over the cap: cut to it ("truncate", TIS) or dropped ("mask")
-    is_cap: float = 2.0  # R2: cap on rho, a token's or a completion's (TRL clip_max: 3, sequence)
+    is_cap: float = 2.0  # R2: cap on rho, a token's or a completion's (TRL's clip_max: 3 for both)
     is_floor: float = 0.0  # R2, R8: the band's floor: below it raised (truncate) or out; 0 = none
     async_rollouts: bool = False  # R8: a sampler process makes the next batches during updates
     max_staleness: int = 1  # R8: batch t is made with the weights after t - max_staleness updates
@@ -200,19 +200,20 @@ REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_pen
                "length_soft_limit", "length_penalty", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
 RENAMED = {"eval_k": ("eval_n", "samples per eval problem, for avg@n, pass@k and maj@n")}
-# settings deleted (dev/LOG.md says why), and what to write instead
+# settings deleted (dev/LOG.md says why): (the default they had, what to write instead). The
+# default is what the code does now; a checkpoint saved with another value is checked on resume
 DELETED = {
-    "drop_zero_std_groups": "DAPO's filter without its refill is --dynamic_sampling=true "
-                            "--dynamic_sampling_rounds=0",
-    "is_seq_cap": "is_cap caps rho at either is_correction level, as TRL's clip_max and verl's "
-                  "rollout_is_threshold",
-    "cpu_keep_memory": "freed memory always stays in the process on a CPU (perf/cpu.py)",
-    "kl_up": "adaptive KL multiplies beta by 1.2 (loss.adaptive_kl_beta's `up`)",
-    "kl_down": "adaptive KL multiplies beta by 0.8 (loss.adaptive_kl_beta's `down`)",
-    "parity_warn": "the sampler-trainer gap warns above a bound by compute dtype, "
-                   "config.PARITY_WARN (1e-3 in fp32, 0.1 in bf16)",
-    "length_penalty_tokens": "length_penalty is per 32 tokens (shaping.shape_reward's "
-                             "length_penalty_tokens)",
+    "drop_zero_std_groups": (False, "DAPO's filter without its refill is --dynamic_sampling=true "
+                                    "--dynamic_sampling_rounds=0"),
+    "is_seq_cap": (3.0, "is_cap caps rho at either is_correction level, as TRL's clip_max and "
+                        "verl's rollout_is_threshold (their default 3 at the sequence level)"),
+    "cpu_keep_memory": (True, "freed memory always stays in the process on a CPU (perf/cpu.py)"),
+    "kl_up": (1.2, "adaptive KL multiplies beta by 1.2 (loss.adaptive_kl_beta's `up`)"),
+    "kl_down": (0.8, "adaptive KL multiplies beta by 0.8 (loss.adaptive_kl_beta's `down`)"),
+    "parity_warn": (0.0, "the sampler-trainer gap warns above a bound by compute dtype, "
+                         "config.PARITY_WARN (1e-3 in fp32, 0.1 in bf16)"),
+    "length_penalty_tokens": (32, "length_penalty is per 32 tokens (shaping.shape_reward's "
+                                  "length_penalty_tokens)"),
 }
 CHOICES = {
     "adv_scale": ("group", "batch", "none"), "adv_baseline": ("mean", "leave-one-out"),
@@ -351,7 +352,7 @@ def _check_name(name, where):
         new, what = RENAMED[name]
         raise ConfigError(f"{where}: '{name}' is now '{new}' ({what}); write {new} instead")
     if name in DELETED:
-        raise ConfigError(f"{where}: '{name}' is no longer a setting: {DELETED[name]}")
+        raise ConfigError(f"{where}: '{name}' is no longer a setting: {DELETED[name][1]}")
     if name in DERIVED:
         raise ConfigError(f"{where}: '{name}' is derived from other settings and cannot be set")
     if name not in Config.__dataclass_fields__:

@@ -126,13 +126,15 @@ def split_shared_prompts(ids, attention, prompt_lens, groups):
         prompt_ids[s, P - prefix[s] :] = ids[r, : prefix[s]]
         prompt_mask[s, P - prefix[s] :] = 1
     rows_ids, rows_mask = ids.new_zeros(len(ids), C), attention.new_zeros(len(ids), C)
+    # each row against its group's first row: the same prompt length and tokens (one sync)
+    lead = torch.tensor(first, device=ids.device)[slot_of]  # (b,)
+    in_prompt = torch.arange(ids.shape[1], device=ids.device) < prompt_lens[:, None]  # (b, L)
+    same = (prompt_lens == prompt_lens[lead]) & ((ids == ids[lead]) | ~in_prompt).all(1)  # (b,)
+    if not bool(same.all()):
+        bad = int(groups[int((~same).nonzero()[0])])
+        raise ValueError(f"shared_prompt: the rows of group {bad} do not share their prompt "
+                         "tokens (an engine that rewrites prompts?); set --shared_prompt=false")
     for r in range(len(ids)):
-        f = first[int(slot_of[r])]
-        if prompt_lens[r] != prompt_lens[f] or not torch.equal(ids[r, : prompt_lens[r]],
-                                                                ids[f, : prompt_lens[f]]):
-            raise ValueError(f"shared_prompt: the rows of group {int(groups[r])} do not share "
-                             "their prompt tokens (an engine that rewrites prompts?); set "
-                             "--shared_prompt=false")
         n = int(lengths[r] - prompt_lens[r] + 1)
         rows_ids[r, :n] = ids[r, prompt_lens[r] - 1 : lengths[r]]
         rows_mask[r, :n] = 1
@@ -181,7 +183,8 @@ def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperatu
         ids, attention, prompt_lens, groups)
     P = prompt_ids.shape[1]
     prompt_kv, tie = None, 0.0
-    # L6: bf16 compute under autocast, as grpo.forward_logprobs (inside a caller's autocast if off)
+    # L6: bf16 compute under autocast, as grpo.forward_logprobs; fp32 leaves a caller's autocast
+    # as it is (a test's, around a Config whose dtype is not derived)
     bf16 = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16"
             else contextlib.nullcontext())
     with bf16, checkpoint_with_cache(model):

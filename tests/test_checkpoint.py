@@ -10,6 +10,7 @@ import random
 
 import torch
 
+import checkpoint
 import parallel
 from checkpoint import load_checkpoint, rng_states
 from config import config_from_argv
@@ -123,10 +124,19 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
                "task", "data_path", "seed", "group_size", "batch_size", "num_iterations",
                "mini_batches", "temperature", "top_p", "top_k", "beta", "kl_estimator", "lr",
                "warmup_steps", "min_lr_ratio", "weight_decay", "adam_betas", "grad_clip",
-               "dynamic_sampling", "mask_truncated", "is_correction", "old_logprobs",
-               "async_rollouts", "max_staleness", "tools", "max_turns", "env_reward"}
+               "dynamic_sampling", "dynamic_sampling_rounds", "mask_truncated", "is_correction",
+               "is_mode", "is_cap", "is_floor", "old_logprobs", "async_rollouts", "max_staleness",
+               "tools", "max_turns", "env_reward", "adaptive_kl", "kl_window", "kl_high", "kl_low",
+               "data_seed", "train_size", "data_name", "data_columns", "curriculum",
+               "curriculum_easy_above", "curriculum_hard_below", "curriculum_ramp_steps",
+               "temperature_end", "ref_refresh_steps", "lora_alpha"}
+    assert set(checkpoint.DELETED_RUN_SETTINGS) <= set(config.DELETED)
     assert learned <= set(RUN_SETTINGS), learned - set(RUN_SETTINGS)
     # a resume names a changed objective setting, and lets a free one change
     saved = json.loads(json.dumps(dataclasses.asdict(load_config())))
     changed = load_config(overrides=["--adv_clip=2", "--micro_batch_tokens=512"])
     assert changed_settings(changed, saved) == [("adv_clip", 0.0, 2.0)]
+    # a deleted setting saved off its old default is named with what stands for it; at it, not
+    assert changed_settings(load_config(), {**saved, "is_seq_cap": 3.0, "kl_up": 1.2}) == []
+    assert changed_settings(load_config(), {**saved, "drop_zero_std_groups": True}) == [
+        ("drop_zero_std_groups", True, "deleted: " + config.DELETED["drop_zero_std_groups"][1])]
