@@ -1,5 +1,5 @@
-"""Evaluation (M2): evaluate an eval set, when evals are due, eval_only; the estimators, the eval
-sets, eval_only's table.
+"""Evaluation (M2): evaluate an eval set, evaluate_in_run (grpo.eval_is_due says when), eval_only;
+the estimators, the eval sets, eval_only's table.
 
     avg@n    the mean "correct" over n samples a problem
     pass@k   the unbiased estimator of Chen et al. 2021, for the k of pass_ks(n)

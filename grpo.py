@@ -7,6 +7,7 @@
 
 Each step, as main() runs it, one named function a phase:
     engine.wake          wake the sampling engine and push the policy's weights into it (R1, R2)
+    evaluate_in_run      every eval_every steps: the evals, before the update (M2)
     collect_rollouts     sample prompts, generate G completions each, score them (R3, R7, W1)
     engine.sleep         its GPU memory goes to the update (R1)
     group_advantages     each completion's reward against its own group's (A1-A3): GRPO's baseline
@@ -14,9 +15,9 @@ Each step, as main() runs it, one named function a phase:
     old_and_ref_logprobs the old and the reference policy's logprobs, once per batch (F1, L5, L7)
     update_policy        the clipped policy-gradient epochs, a step per mini-batch (L1-L7, O1, O2)
     adapt_beta           the KL weight follows the measured KL (F2)
-    end_step             log (M1), eval (M2), checkpoint
+    end_step             log (M1), the last step's eval (M2), checkpoint
 
-With async_rollouts (R8) a sampler process runs the first three, a batch ahead with weights an
+With async_rollouts (R8) a sampler process runs the first four, a batch ahead with weights an
 update older (async_rollouts.py); the trainer takes the batch and pushes its weights after each
 update.
 
@@ -88,7 +89,7 @@ def eval_is_due(cfg, step):
 
 # ---------------------------------------------------------------- rollouts (R3, R7, W1)
 
-# Rollouts' (N,) tensors: rows(), + and gathered() take each alike
+# Rollouts' (N,) tensors: rows(), + and gathered() take each alike (replace() copies the rest)
 ROW_TENSORS = ("rewards", "lengths", "truncated", "tool_calls", "tool_errors", "tool_tokens")
 
 
@@ -412,7 +413,8 @@ def forward_logprobs(model, ids, attention, cfg, temperature):
 
 
 def micro_batch_logprobs(model, ub, mb, cfg, temperature):
-    """forward_logprobs of micro-batch mb (row indices), cut to its longest row L: each (b, L-1)."""
+    """(logprobs, entropy) of micro-batch mb (row indices), cut to its longest row L: each
+    (b, L-1); padded rows (forward_logprobs), or each prompt once (shared_prompt)."""
     L = int(ub.attention[mb].sum(1).max())
     ids, attention = ub.ids[mb, :L], ub.attention[mb, :L]
     if cfg.shared_prompt:  # a group's G completions on one pass over their prompt, not G

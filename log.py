@@ -263,8 +263,8 @@ def step_metrics(update, ub, lr):
 def warn_on_parity(metrics, cfg, step, next_warning):
     """R2: warn, at most every 10 steps, when the sampler's logprobs stray from the trainer's."""
     gap = metrics["sampler_logprob_diff_mean"]
-    # R8: a batch made with older weights differs by its staleness too: on-policy batches only
     bound = PARITY_WARN[cfg.dtype]
+    # R8: a batch made with older weights differs by its staleness too: on-policy batches only
     if gap is None or metrics.get("staleness", 0) > 0 or gap <= bound or step < next_warning:
         return next_warning
     print(f"warning: step {step}: sampler vs trainer logprob gap {gap:.2e} > "

@@ -10,6 +10,8 @@ reach it, the hub's).
 import json
 import os
 
+import torch
+
 from perf.logprobs import head_chunk
 
 SHAPES = {
@@ -111,7 +113,7 @@ def state_bytes(cfg, shape, world):
     # model.load_policy: from_pretrained(dtype=torch.float32), a LoRA base too (its adapters fp32)
     out = {"weights": 4 * (n + (trained if cfg.lora_rank else 0))}
     if cfg.beta > 0 and not cfg.lora_rank and not cfg.ref_offload:  # LoRA: adapters disabled (F1)
-        out["reference"] = 4 * n  # grpo.build_models: from_pretrained(dtype=torch.float32)
+        out["reference"] = 4 * n  # prepare.build_models: from_pretrained(dtype=torch.float32)
     out["optimizer"] = 8 * trained  # torch.optim.AdamW: exp_avg and exp_avg_sq, fp32
     out["grads"] = 4 * trained  # loss.backward(): fp32, summed over a step's micro-batches
     if cfg.parallel == "ddp" and world > 1:  # parallel.wrap: DDP keeps flat buckets to all-reduce
@@ -147,7 +149,8 @@ def pass_bytes(cfg, shape, sharded):
         out["activations"] = residual * h * layers * tokens + layer
     else:
         out["activations"] = layers * layer
-    if cfg.shared_prompt:  # model.PromptCache: each layer's prompt keys and values, whole pass
+    # perf.shared_prompt.PromptCache: each layer's prompt keys and values, whole pass
+    if cfg.shared_prompt:
         out["activations"] += 2 * kv * compute * layers * tokens
     out["head"] = head_bytes(cfg, v, h, tokens, compute, copy=bf16 and not sharded)
     return out
@@ -157,11 +160,11 @@ def head_bytes(cfg, v, h, tokens, compute, copy):
     """Bytes of the output layer's pass: the fused head's, or the logits and their gradient."""
     if not cfg.fused_logprobs:  # model.sequence_logprobs
         # the (b, T, V) logits kept for backward, their gradient, and the fp32 buffers of
-        # loss._LogprobsEntropy's chunk of 1024 positions
+        # perf.logprobs._LogprobsEntropy's chunk of 1024 positions
         return 2 * compute * tokens * v + 12 * min(tokens, 1024) * v
-    # loss._LinearLogprobsEntropy.backward: weight.to(compute dtype) (copy: fp32 weights under
-    # autocast), the fp32 grad_weight, and per chunk three fp32 (chunk, V) buffers and one in the
-    # compute dtype, the previous chunk's still held while the next chunk's logits are made
+    # perf.logprobs._LinearLogprobsEntropy.backward: weight.to(compute dtype) (copy: fp32 weights
+    # under autocast), the fp32 grad_weight, and per chunk three fp32 (chunk, V) buffers and one in
+    # the compute dtype, the previous chunk's still held while the next chunk's logits are made
     chunk = min(tokens, head_chunk("cuda", v))
     return (compute * v * h if copy else 0) + 4 * v * h + (12 + compute) * chunk * v
 
@@ -184,7 +187,7 @@ def update_peak(est):
 
 MEMORY_TERMS = {  # what each term of estimate_memory counts, for the table pre-flight prints
     "weights": "fp32 master weights (model.load_policy)",
-    "reference": "fp32 frozen reference (grpo.build_models)",
+    "reference": "fp32 frozen reference (prepare.build_models)",
     "optimizer": "AdamW's two fp32 moments",
     "grads": "fp32 gradients, summed over the micro-batches",
     "ddp_buckets": "DDP's flat gradient buckets",
@@ -211,11 +214,6 @@ def device_memory_gib(cfg):
     """Total memory of the GPU to plan against, or None on a CPU-only machine."""
     if cfg.device_memory_gb:
         return cfg.device_memory_gb
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory / 2**30
-    except ImportError:
-        pass
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
     return None

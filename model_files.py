@@ -87,9 +87,6 @@ def auto_engine():
     return "hf" if why else "vllm"
 
 
-# transformers drops a checkpointed layer's past_key_values unless the layer says it may keep
-# them; that switch (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in
-# 5.15.0 (5.14.1 lacks it)
 # ---------------------------------------------------------------- models built or converted here
 
 TINY_CORPUS = [

@@ -9,11 +9,10 @@ Where the weights come from (the folders built here, the hub, the engine): model
 """
 
 import dataclasses
-import importlib.util
 import os
 import sys
 
-from config import ConfigError, on_gpu
+from config import ConfigError, config_from_argv, on_gpu
 from memory import (
     device_memory_gib,
     estimate_memory,
@@ -22,6 +21,7 @@ from memory import (
     resident_memory,
     update_peak,
 )
+from model_files import vllm_available
 
 CPU_RUN_GIB = 16  # O6: an update estimated above this, with no GPU, needs an explicit --device=cpu
 
@@ -39,8 +39,7 @@ def available_memory_gib():
 def check_kv_cache(cfg):
     """On a CPU, vLLM takes vllm_cpu_kv_cache_gb of RAM for its KV cache as it starts: it must be
     free."""
-    installed = importlib.util.find_spec("vllm") is not None
-    vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and installed)
+    vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and vllm_available())
     # a VLLM_CPU_KVCACHE_SPACE set by hand wins over the setting (rollout.py)
     if not vllm or on_gpu(cfg) or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return
@@ -62,6 +61,9 @@ def check_context(cfg, shape):
                           "lower them")
 
 
+# transformers drops a checkpointed layer's past_key_values unless the layer says it may keep
+# them; that switch (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in
+# 5.15.0 (5.14.1 lacks it)
 CHECKPOINT_CACHE_HINT = ("needs transformers >= 5.15.0 (pip install -U 'transformers>=5.15.0'), "
                          "or set --gradient_checkpointing=false or --shared_prompt=false")
 
@@ -120,8 +122,6 @@ def preflight(cfg):
 
 
 if __name__ == "__main__":  # python preflight.py --config RUN_FILE [--device_memory_gb=80]
-    from config import config_from_argv
-
     try:
         cfg = config_from_argv(sys.argv[1:])
     except ConfigError as e:

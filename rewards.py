@@ -195,7 +195,7 @@ def before_unclosed_think(text):
 
 
 def after_tool_outputs(text, tags=("<output>", "</output>")):
-    """The model's own text after the last tool output (rollout.TOOL_OUTPUT's tags): the only place
+    """The model's own text after the last tool output (tools.TOOL_OUTPUT's tags): the only place
     a tool task's answer is judged, so what a tool printed never counts as the model's answer. Text
     without an output is returned whole; an output never closed leaves nothing (all after its
     opening tag is the tool's). A <think> open where the last output ends stays open ("<think>" put

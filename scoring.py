@@ -1,8 +1,8 @@
 """The reward runner: a task's reward (or TRL reward functions) over a batch of completions, each
 call under a deadline, in forked children; what a call returns, as named floats.
 
-    task_rewards(task, texts, problems, timeout)  # task.score's one call: a row's {name: float},
-                                                  # or why its call failed ("error", "timeout", ...)
+    task_rewards(task, texts, problems, timeout)  # task.score's entry (and audit's): a row's
+                                                  # {name: float}, or why its call failed
 
 The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or
 hangs scores 0 for that completion and is counted in reward/errors; the run goes on. Module state

@@ -50,7 +50,7 @@ Instead of reward(), a task file may give TRL's reward functions, which then wor
 
     reward_funcs = [accuracy_reward, format_reward]  f(prompts, completions, **columns) -> a list
                                 of floats or None, batched, as TRL's GRPOTrainer calls them
-                                (call_reward_funcs says with what)
+                                (scoring.call_reward_funcs says with what)
     reward_weights = [1.0, 0.2]  TRL's reward_weights, one per function (default 1 each)
     CORRECT = "accuracy_reward"  the function whose score is also "correct" (acc, pass@k: solved
                                 at >= 1); default: the one named accuracy_reward, as TRL's own
@@ -441,8 +441,9 @@ def score(task, texts, problems, lengths, cfg, completion_ids=None, env_rewards=
 
 
 if __name__ == "__main__":
-    # `python task.py --audit` and `--replay` are audit.py's commands: run that script (audit.py
-    # imports this module, so importing it here would make a cycle)
+    # `python task.py --audit` and `--replay` are audit.py's commands, run as that script: an
+    # import of audit here would be an edge audit -> task -> audit in the import graph
+    # (tests/test_layout.py counts every import statement, a script block's too)
     import runpy
 
     runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "audit.py"),

@@ -41,7 +41,8 @@ PASSED_OVER = ("scoring.py", "sandbox.py", "perf" + os.sep)
 
 def project_file(path):
     """A file of the project's own code (not tests/ or dev/, not a library)."""
-    return os.path.isabs(path) and path.startswith(ROOT + os.sep) and not path.startswith(SKIP)
+    inside = os.path.isabs(path) and path.startswith(ROOT + os.sep) and not path.startswith(SKIP)
+    return inside and os.sep + "." not in path[len(ROOT):]  # a .venv inside the project is not it
 
 
 def trace_step(argv, step, record_path):
@@ -152,10 +153,12 @@ def main():
     with tempfile.TemporaryDirectory(prefix="corridor_") as out_dir:  # the run's files go with it
         record = os.path.join(out_dir, "calls.tsv")
         # the source as it runs, whatever is edited meanwhile
-        for folder, _, names in os.walk(ROOT):
+        for folder, subfolders, names in os.walk(ROOT):
+            # not .git, .venv or caches, nor the runs' out/
+            subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "out"]
             for name in names:
                 path = os.path.join(folder, name)
-                if name.endswith(".py") and project_file(path) and ".git" not in path:
+                if name.endswith(".py") and project_file(path):
                     sources(os.path.relpath(path, ROOT))
         fast_paths_off = () if args.as_run else FAST_PATHS
         # one step more than the traced one: the last step's final eval and checkpoint are not a

@@ -8,6 +8,7 @@ Each vLLM run spends ~20 s starting the engine on this CPU; the loop itself is ~
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -522,15 +523,36 @@ def test_dynamic_sampling_logs_and_feeds_every_group_drawn(tmp_path):
 
 @pytest.mark.parametrize("level, mode", [("token", "truncate"), ("token", "mask"),
                                          ("sequence", "truncate"), ("sequence", "mask")])
-def test_each_is_correction_mode_trains(tmp_path, level, mode):
+def test_each_is_correction_mode_trains(tmp_path, monkeypatch, level, mode):
     """R2: the HF engine samples from the trainer's own distribution, so rho = 1 up to float noise:
-    every weight is ~1 and nothing is limited, in each mode; the loop runs and logs the weights."""
+    every weight is ~1 and nothing is limited, in each mode; the loop runs and logs the weights.
+    The weights are made at the run's level, with its is_cap and is_mode at either level."""
+    calls, weights = [], grpo.sampler_is_weights
+
+    def recorded(*args, **kwargs):
+        calls.append((kwargs["level"], kwargs["cap"], kwargs["action"]))
+        return weights(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "sampler_is_weights", recorded)
     grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
-               "--engine=hf",
-               "--max_steps=2", "--eval_every=0", f"--is_correction={level}", f"--is_mode={mode}"])
+               "--engine=hf", "--max_steps=2", "--eval_every=0", f"--is_correction={level}",
+               f"--is_mode={mode}", "--is_cap=5"])
+    assert calls and set(calls) == {(level, 5.0, mode)}
     for m in read_jsonl(tmp_path / "metrics.jsonl"):
         assert m["is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and m["is_limited_frac"] == 0.0
         assert math.isfinite(m["loss"]) and m["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("dtype, warns", [("float32", True), ("bfloat16", False)])
+def test_the_parity_warning_bound_is_the_compute_dtypes(capsys, dtype, warns):
+    """A mean sampler-trainer gap of 5e-3 is a fault in fp32 (bound 1e-3: the two sides agree to
+    ~1e-6) and rounding in bf16 (bound 0.1); a warning waits 10 steps before the next."""
+    cfg = config.load_config(overrides=[f"--dtype={dtype}"])
+    capsys.readouterr()
+    next_warning = log.warn_on_parity({"sampler_logprob_diff_mean": 5e-3}, cfg, 3, 0)
+    assert next_warning == (13 if warns else 0)
+    printed = capsys.readouterr().out
+    assert ("logprob gap 5.00e-03 > 0.001 (config.PARITY_WARN, float32)" in printed) == warns
 
 
 def test_ref_refresh_without_a_reference_fails_in_preflight(tmp_path):
@@ -1073,5 +1095,9 @@ def test_the_phase_list_is_the_loops_order_and_the_readmes():
         readme = f.read().split("```text\n", 1)[1].split("```", 1)[0].splitlines()
     assert readme == listed
     loop = inspect.getsource(grpo.main).split("for step in range", 1)[1]
-    where = [loop.rfind(line.split()[0] + "(") for line in listed]  # end_step: the last call
+    def last_call(name):  # end_step: its last call; a whole name (not _update_policy's tail)
+        calls = [m.start() for m in re.finditer(rf"(?<!\w){re.escape(name)}\(", loop)]
+        return calls[-1] if calls else -1
+
+    where = [last_call(line.split()[0]) for line in listed]
     assert -1 not in where and where == sorted(where), list(zip(listed, where))

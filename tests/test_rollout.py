@@ -439,8 +439,7 @@ def test_hf_engine_stops_on_every_eos_the_model_lists(tiny, tmp_path):
 VLLM_SCRIPT = """
 import json, sys
 from config import load_config
-from grpo import row_seeds
-from rollout import VLLMEngine
+from rollout import VLLMEngine, row_seeds
 cfg = load_config(overrides=["--model=tiny", "--dtype=float32", "--max_prompt_len=64",
                              "--max_completion_len=24", "--micro_batch_tokens=256", "--seed=0"])
 engine = VLLMEngine(sys.argv[1], cfg, "cpu")
@@ -492,7 +491,7 @@ def test_hf_engine_batches_prompts_yet_each_row_follows_its_own_seed(tiny):
     alone: two ranks' halves sampled apart give one process's samples, a fresh engine the same ones,
     other seeds others, and a row moved to another place in the call (other seeds around it) keeps
     its sample."""
-    from grpo import row_seeds
+    from rollout import row_seeds
 
     cfg, _, tokenizer, policy, prompts = tiny
     assert len(prompts[0]) != len(prompts[1])  # the batch is padded
