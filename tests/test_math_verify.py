@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from math_verify import parse, verify
 
 from config import ConfigError, load_config
-from rewards import MATH_TIMEOUT, math_equal, math_reward
+from rewards import MATH_TIMEOUT, OutOfTime, math_equal, math_reward, within
 from scoring import run_rewards
 from task import load_task, score
 
@@ -261,6 +261,50 @@ def test_the_callers_own_alarm_survives_a_check():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def first_deadline_lost_in_a_finalizer(first_seconds=0.5, total_seconds=5.0):
+    """A check whose deadline first lands in a __del__, where Python prints and drops the raise
+    (as it does in a generator closed on collection), then runs plain Python calls."""
+
+    def step():
+        pass
+
+    class Dropped:
+        def __del__(self):
+            end = time.monotonic() + first_seconds
+            while time.monotonic() < end:  # the alarm lands here
+                pass
+            step()  # the trace's first call past the deadline
+
+    Dropped()  # collected at once, and its __del__ run
+    end = time.monotonic() + total_seconds
+    while time.monotonic() < end:
+        step()
+    return "ran to the end"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("thread", ["main", "other"])
+def test_a_deadline_lost_in_a_finalizer_fires_again(thread):
+    results = {}
+
+    def check():
+        start = time.perf_counter()
+        try:
+            results["returned"] = within(0.2, first_deadline_lost_in_a_finalizer)
+        except OutOfTime:
+            results["returned"] = "out of time"
+        results["seconds"] = time.perf_counter() - start
+
+    if thread == "main":
+        check()
+    else:
+        worker = threading.Thread(target=check)
+        worker.start()
+        worker.join(30)
+    assert results == {"returned": "out of time", "seconds": pytest.approx(0.6, abs=0.5)}
+    assert sys.gettrace() is None and sys.getprofile() is None
 
 
 def test_the_first_check_in_a_fresh_process_is_right_under_a_short_deadline():
