@@ -312,12 +312,17 @@ DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "is_seq_cap", "kl_up", "kl_down"
 
 
 def changed_settings(cfg, saved):
-    """[(name, saved value, value now)] for each of RUN_SETTINGS where `saved` (save_config's JSON)
-    differs from cfg; two paths to one file or folder (./tasks/x.py, tasks/x.py) are the same. A
-    deleted setting saved off its old default counts too, its value now being what replaces it."""
+    """[(name, saved value, value now)] for each of RUN_SETTINGS and the task's options where
+    `saved` (save_config's JSON) differs from cfg; two paths to one file or folder (./tasks/x.py,
+    tasks/x.py) are the same. A deleted setting saved off its old default counts too, its value now
+    being what replaces it."""
     now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples become the lists the JSON holds
     changed = [(k, saved[k], now[k]) for k in RUN_SETTINGS
                if k in saved and saved[k] != now[k] and not same_file(saved[k], now[k])]
+    # the task file's options, all the run's (an older version saved them beside the settings)
+    options = saved.get("task_options") or {k: saved[k] for k in now["task_options"] if k in saved}
+    changed += [(k, options[k], v) for k, v in now["task_options"].items()
+                if k in options and options[k] != v]
     for k in DELETED_RUN_SETTINGS:
         default, instead = DELETED[k]
         if k in saved and saved[k] != default:

@@ -19,6 +19,8 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+from data.files import is_data_path
+
 
 @dataclass
 class Config:
@@ -56,13 +58,7 @@ class Config:
     data_seed: int = 0  # D1: seeds the problem generators: the same train/test problems every run
     train_size: int = 500  # training problems: generated, or the dataset's train split's first
     test_size: int = 60  # held-out problems for eval (M2); the splits never overlap (data/split.py)
-    countdown_numbers: tuple = (3, 4)  # D1: how many numbers a problem has, drawn per problem
-    countdown_max_number: int = 99  # D1: numbers are drawn from 1..countdown_max_number
-    countdown_max_target: int = 100  # D1: targets are whole numbers in 1..countdown_max_target
-    math_kinds: tuple = ("add",)  # generated kinds (data/arith.py): add sub order_of_ops linear ...
-    math_max_number: int = 25  # largest operand of the generated math problems
-    math_last_number: bool = True  # W1: untagged answers: judge the last number; False = tags only
-    rg_dataset: str = ""  # D1: --task=reasoning_gym: its reasoning-gym dataset, e.g. countdown
+    # a task's own settings (countdown_numbers, math_kinds, ...): its file's OPTIONS, task_options
     curriculum: bool = False  # D2: easy:medium:hard 1:2:3 by pass rate; False = shuffled epochs
     curriculum_easy_above: float = 0.8  # D2: pass rate above this is easy
     curriculum_hard_below: float = 0.2  # D2: pass rate below this is hard
@@ -188,6 +184,8 @@ class Config:
     shaping: dict = field(default_factory=dict, init=False)  # W2-W3 settings: shape_reward's kwargs
     component_weights: dict = field(default_factory=dict, init=False)  # reward_weights as a dict
     data_column_map: dict = field(default_factory=dict, init=False)  # data_columns as {old: new}
+    # the task file's own settings: its OPTIONS, each set by name like the rest (load_config)
+    task_options: dict = field(default_factory=dict, init=False)  # {name: value}, all its OPTIONS
 
 
 # R2: the mean |sampler - trainer| logprob gap above which a run warns, by compute dtype. fp32 sides
@@ -291,8 +289,13 @@ def on_gpu(cfg):
 # ---------------------------------------------------------------- loading
 
 
-def _closest(name):
-    names = [f.name for f in dataclasses.fields(Config) if f.init]
+def _closest(name, options=()):
+    """A hint for an unknown name: the built-in task that declares it, or the nearest name."""
+    owners = [task for task in builtin_tasks() if name in declared_options(task_path(task))]
+    if owners:
+        return (f" It is an option of tasks/{owners[0]}.py: set task={owners[0]}, or, in a task "
+                f"file that uses its configure, declare it in OPTIONS as that file does.")
+    names = [f.name for f in dataclasses.fields(Config) if f.init] + list(options)
     match = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     return f" Did you mean '{match[0]}'?" if match else ""
 
@@ -348,6 +351,8 @@ def parse_value(name, text, default):
 
 
 def _check_name(name, where):
+    """True for a Config field; False for a name the task file may declare (checked once the task is
+    known); a ConfigError for a renamed, deleted or derived one."""
     if name in RENAMED:
         new, what = RENAMED[name]
         raise ConfigError(f"{where}: '{name}' is now '{new}' ({what}); write {new} instead")
@@ -355,13 +360,60 @@ def _check_name(name, where):
         raise ConfigError(f"{where}: '{name}' is no longer a setting: {DELETED[name][1]}")
     if name in DERIVED:
         raise ConfigError(f"{where}: '{name}' is derived from other settings and cannot be set")
-    if name not in Config.__dataclass_fields__:
-        raise ConfigError(f"{where}: unknown setting '{name}'.{_closest(name)}")
+    return name in Config.__dataclass_fields__
+
+
+TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
+
+
+def builtin_tasks():
+    """Names of the task files in tasks/."""
+    return sorted(f[:-3] for f in os.listdir(TASK_DIR) if f.endswith(".py"))
+
+
+def task_path(task):
+    """The task file that `task` names: tasks/NAME.py for a built-in name, a .py path as it is,
+    tasks/dataset.py for a data file or folder; "" for none of these (task.task_file says why)."""
+    if task in builtin_tasks():
+        return os.path.join(TASK_DIR, task + ".py")
+    if task.endswith(".py"):
+        return task
+    return os.path.join(TASK_DIR, "dataset.py") if is_data_path(task) else ""
+
+
+def declared_options(path):
+    """The settings the task file at `path` declares for itself, {name: default}: its OPTIONS, a
+    dict of literals. Read from the file's text, not imported: a task file is imported (and
+    configured) once, in pre-flight. {} for a file without OPTIONS, or one that is not there or
+    does not parse (task.load_task says why)."""
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    for node in tree.body:
+        names = [getattr(t, "id", "") for t in getattr(node, "targets", [])]
+        if isinstance(node, ast.Assign) and names == ["OPTIONS"]:
+            try:
+                options = ast.literal_eval(node.value)
+            except ValueError:
+                options = None
+            if not isinstance(options, dict) or not all(
+                    isinstance(k, str) and type(v) in PARSERS for k, v in options.items()):
+                raise ConfigError(f"task file {path}: OPTIONS must be a dict of setting names and "
+                                  "literal defaults (bool, int, float, str, tuple), e.g. "
+                                  "{'max_number': 99}")
+            clash = sorted(set(options) & set(Config.__dataclass_fields__))
+            need(not clash, f"task file {path}: OPTIONS {clash} are the names of settings; name "
+                            "them after the task (countdown_numbers)")
+            return options
+    return {}
 
 
 def load_config(path=None, overrides=()):
-    """Defaults <- run file at `path` <- `--key=value` overrides; a derived, validated Config."""
-    cfg = Config()
+    """Defaults <- run file at `path` <- `--key=value` overrides; a derived, validated Config. A
+    name no Config field has is one of the task file's OPTIONS, set once the task is known."""
+    cfg, task_given = Config(), []
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"run file {path} not found (run files live in config/, e.g. "
@@ -372,16 +424,29 @@ def load_config(path=None, overrides=()):
         for name, value in scope.items():
             if name.startswith("_") or type(value).__name__ == "module":
                 continue
-            _check_name(name, path)
-            setattr(cfg, name, _coerce(name, value, getattr(Config(), name)))
+            if _check_name(name, path):
+                setattr(cfg, name, _coerce(name, value, getattr(Config(), name)))
+            else:
+                task_given.append((path, name, value))
     for arg in overrides:
         if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(f"override '{arg}' must look like --key=value")
         name, text = arg[2:].split("=", 1)
-        _check_name(name, "command line")
+        if not _check_name(name, "command line"):
+            task_given.append(("command line", name, text))
+            continue
         value = parse_value(name, text, getattr(Config(), name))
         print(f"override: {name} = {value!r}")
         setattr(cfg, name, value)
+    options = declared_options(task_path(cfg.task))
+    cfg.task_options = dict(options)
+    for where, name, value in task_given:
+        if name not in options:
+            raise ConfigError(f"{where}: unknown setting '{name}'.{_closest(name, options)}")
+        if where == "command line":
+            value = parse_value(name, value, options[name])
+            print(f"override: {name} = {value!r}")
+        cfg.task_options[name] = _coerce(name, value, options[name])
     return validate(derive(cfg))
 
 
@@ -417,6 +482,10 @@ def load_saved(path):
         # a dict under a settable name is an older version's derived value
         if f.init and f.name in saved and not isinstance(saved[f.name], dict):
             setattr(cfg, f.name, _coerce(f.name, saved[f.name], f.default))
+    options = declared_options(task_path(cfg.task))
+    # an older version saved the task's options beside the settings
+    given = saved.get("task_options") or {k: saved[k] for k in options if k in saved}
+    cfg.task_options = {k: _coerce(k, given.get(k, v), v) for k, v in options.items()}
     return derive(cfg)
 
 
@@ -501,8 +570,7 @@ def validate(cfg):
     for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations",
                  "mini_batches", "kl_window", "train_size", "eval_n", "max_nonfinite",
                  "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha", "push_bucket_mb",
-                 "test_size", "countdown_max_number", "countdown_max_target", "math_max_number",
-                 "max_tool_calls", "tool_output_chars"):
+                 "test_size", "max_tool_calls", "tool_output_chars"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
     for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay",
                  "grad_clip", "lora_rank", "length_soft_limit", "length_min",

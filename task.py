@@ -27,6 +27,11 @@ and may define:
     check(problem)                  raise ValueError saying what a dataset row lacks (named with
                                     its line)
     configure(cfg)                  called once with the run's Config before anything else
+    OPTIONS = {"countdown_numbers": (3, 4)}   the task's own settings and their defaults
+                                    (literals, read from the file's text), set by name as any other
+                                    (--countdown_numbers=4, or in a run file); configure reads
+                                    cfg.task_options. A file that borrows another's configure
+                                    declares the options a run may set through it
     RUNS_CODE = True                the reward runs the model's code (sandbox.py): the run starts
                                     only where the sandbox that `sandbox` accepts can be had; or a
                                     function of a problem, if only some do (as tools=True always)
@@ -79,13 +84,11 @@ import sys
 from dataclasses import dataclass, field
 
 import sandbox
-from config import Config, ConfigError
+from config import Config, ConfigError, builtin_tasks, task_path
 from data.files import is_data_path, load_rows
 from environment import python as run_code_tool
 from scoring import task_rewards
 from shaping import score_batch
-
-TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 
 
 @dataclass
@@ -130,24 +133,16 @@ def multi_turn(cfg, task):
     return cfg.tools or task.episodic
 
 
-def builtin_tasks():
-    """Names of the task files in tasks/."""
-    return sorted(f[:-3] for f in os.listdir(TASK_DIR) if f.endswith(".py"))
-
-
 def task_file(cfg):
-    """The file `cfg.task` names: a built-in name, a .py path, or
-    (a data file as the task) tasks/dataset.py."""
-    if cfg.task in builtin_tasks():
-        return os.path.join(TASK_DIR, cfg.task + ".py")
-    if cfg.task.endswith(".py"):
-        if not os.path.isfile(cfg.task):
-            raise ConfigError(f"task file {cfg.task} not found")
-        return cfg.task
-    if is_data_path(cfg.task):
-        return os.path.join(TASK_DIR, "dataset.py")
-    raise ConfigError(f"task={cfg.task!r}: choose a built-in task {builtin_tasks()}, a task file "
-                      "(.py), or a data file (.jsonl, .parquet, .csv) or folder")
+    """The file `cfg.task` names (config.task_path): a built-in name, a .py path, or (a data file
+    as the task) tasks/dataset.py."""
+    path = task_path(cfg.task)
+    if not path:
+        raise ConfigError(f"task={cfg.task!r}: choose a built-in task {builtin_tasks()}, a task "
+                          "file (.py), or a data file (.jsonl, .parquet, .csv) or folder")
+    if not os.path.isfile(path):
+        raise ConfigError(f"task file {cfg.task} not found")
+    return path
 
 
 def import_file(path):
@@ -185,6 +180,8 @@ def load_task(cfg):
         if not binds(getattr(module, name), signature.count(",") + 1):
             raise ConfigError(f"task file {path}: {name}{inspect.signature(getattr(module, name))} "
                               f"cannot be called as {signature}")
+    # its OPTIONS' defaults where cfg was not made by load_config (which sets them all)
+    cfg.task_options = {**getattr(module, "OPTIONS", {}), **cfg.task_options}
     if hasattr(module, "configure"):
         module.configure(cfg)
     extras = {"completion_prefix": getattr(module, "COMPLETION_PREFIX", ""),

@@ -16,15 +16,24 @@ PROMPT = (
 )
 # logged, not rewarded: a wrong equation that uses the right numbers is still wrong
 WEIGHTS = {"numbers_valid": 0.0}
-SETTINGS = {}  # the generator's difficulty, from the run's config (configure)
+# the generator's difficulty: settings of this task, set by name (--countdown_numbers=4)
+OPTIONS = {
+    "countdown_numbers": (3, 4),  # how many numbers a problem has, drawn per problem
+    "countdown_max_number": 99,  # numbers are drawn from 1..countdown_max_number
+    "countdown_max_target": 100,  # targets are whole numbers in 1..countdown_max_target
+}
+SETTINGS = {}  # the generator's keyword arguments, from the run's options (configure)
 
 
 def configure(cfg):
-    if not cfg.countdown_numbers or not set(cfg.countdown_numbers) <= {2, 3, 4, 5, 6}:
-        raise ConfigError(f"countdown_numbers={cfg.countdown_numbers}: use counts from 2 to 6, "
-                          "e.g. (3, 4)")
-    SETTINGS.update(num_counts=cfg.countdown_numbers, max_number=cfg.countdown_max_number,
-                    max_target=cfg.countdown_max_target)
+    # the defaults for what the run's task file leaves out (one that borrows this configure)
+    numbers, max_number, max_target = ({**OPTIONS, **cfg.task_options}[k] for k in OPTIONS)
+    if not numbers or not set(numbers) <= {2, 3, 4, 5, 6}:
+        raise ConfigError(f"countdown_numbers={numbers}: use counts from 2 to 6, e.g. (3, 4)")
+    if min(max_number, max_target) < 1:
+        raise ConfigError(f"countdown_max_number={max_number} and countdown_max_target="
+                          f"{max_target} must be >= 1")
+    SETTINGS.update(num_counts=numbers, max_number=max_number, max_target=max_target)
 
 
 def problems(split, n, seed):

@@ -30,6 +30,8 @@ COMPLETION_PREFIX = "<think>"
 STOP = ["</answer>"]  # a base model rarely stops after its answer: generation ends there, tag kept
 WEIGHTS = countdown.WEIGHTS
 configure, problems = countdown.configure, countdown.problems
+# the problems' settings, tasks/countdown.py's (OPTIONS are read from each file's own text)
+OPTIONS = {"countdown_numbers": (3, 4), "countdown_max_number": 99, "countdown_max_target": 100}
 
 
 def prompt(problem):

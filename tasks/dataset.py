@@ -19,6 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 math_task, code_task = (import_file(os.path.join(HERE, "math.py")),
                         import_file(os.path.join(HERE, "code.py")))
 configure = math_task.configure
+# a math row's setting, tasks/math.py's (its others make problems; OPTIONS are read from each
+# file's own text)
+OPTIONS = {"math_last_number": True}  # W1: untagged answers: judge the last number; False = tags
 
 
 def _task(problem):

@@ -19,14 +19,23 @@ from rewards import math_answer, math_reward, warm_math_verify
 INSTRUCTION = "Put your final answer within \\boxed{}."
 EXAMPLE = [{"role": "user", "content": "What is 31 + 42? " + INSTRUCTION},
            {"role": "assistant", "content": "31 + 42 = 73. The answer is \\boxed{73}."}]
+# settings of this task, set by name (--math_kinds=add,sub)
+OPTIONS = {
+    "math_kinds": ("add",),  # generated kinds (data/arith.py): add sub order_of_ops linear ...
+    "math_max_number": 25,  # largest operand of the generated problems
+    "math_last_number": True,  # W1: untagged answers: judge the last number; False = tags only
+}
 SETTINGS = {}
 
 
 def configure(cfg):
-    if not cfg.math_kinds or set(cfg.math_kinds) - set(KINDS):
-        raise ConfigError(f"math_kinds={cfg.math_kinds}: choose from {tuple(KINDS)}")
-    SETTINGS.update(kinds=cfg.math_kinds, max_number=cfg.math_max_number,
-                    last_number=cfg.math_last_number, tools=cfg.tools)
+    # the defaults for what the run's task file leaves out (tasks/dataset.py: all but one)
+    kinds, max_number, last_number = ({**OPTIONS, **cfg.task_options}[k] for k in OPTIONS)
+    if not kinds or set(kinds) - set(KINDS):
+        raise ConfigError(f"math_kinds={kinds}: choose from {tuple(KINDS)}")
+    if max_number < 1:
+        raise ConfigError(f"math_max_number={max_number} must be >= 1")
+    SETTINGS.update(kinds=kinds, max_number=max_number, last_number=last_number, tools=cfg.tools)
     try:
         warm_math_verify()  # here, once: the reward workers forked for every batch inherit it
     except ImportError as e:

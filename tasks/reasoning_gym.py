@@ -39,6 +39,7 @@ DRAWS = 20  # entries drawn per problem asked for, at most: the test split keeps
 # a longer answer is no answer: the longest of the datasets' own is ~4,000 characters
 # (tower_of_hanoi), and some scorers take seconds on a megabyte (countdown parses it)
 MAX_ANSWER_CHARS = 10_000
+OPTIONS = {"rg_dataset": ""}  # this task's setting: its reasoning-gym dataset, e.g. countdown
 SETTINGS = {}
 _DATASETS = {}  # (name, seed, size) -> its dataset: made once a process (forked workers inherit it)
 
@@ -52,12 +53,13 @@ def configure(cfg):
     if cfg.data_path:
         raise ConfigError("task=reasoning_gym makes its own problems; unset "
                           f"data_path={cfg.data_path!r}")
-    if cfg.rg_dataset not in DATASETS:
-        close = difflib.get_close_matches(cfg.rg_dataset, DATASETS, n=3, cutoff=0.5)
+    name = cfg.task_options["rg_dataset"]
+    if name not in DATASETS:
+        close = difflib.get_close_matches(name, DATASETS, n=3, cutoff=0.5)
         hint = f"; closest: {', '.join(close)}" if close else ""
-        raise ConfigError(f"rg_dataset={cfg.rg_dataset!r}: name one of reasoning-gym's datasets, "
+        raise ConfigError(f"rg_dataset={name!r}: name one of reasoning-gym's datasets, "
                           f"e.g. --rg_dataset=countdown{hint}. All: {', '.join(sorted(DATASETS))}")
-    SETTINGS["name"] = cfg.rg_dataset
+    SETTINGS["name"] = name
 
 
 def dataset(name, seed, size):

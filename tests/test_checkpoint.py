@@ -140,3 +140,20 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
     assert changed_settings(load_config(), {**saved, "is_seq_cap": 3.0, "kl_up": 1.2}) == []
     assert changed_settings(load_config(), {**saved, "drop_zero_std_groups": True}) == [
         ("drop_zero_std_groups", True, "deleted: " + config.DELETED["drop_zero_std_groups"][1])]
+
+
+def test_a_changed_task_option_is_a_changed_run():
+    """The task file's options (its OPTIONS: the problems' difficulty, the verifier's) are all the
+    run's, saved as task_options or, by an older version, beside the settings."""
+    import dataclasses
+
+    from checkpoint import changed_settings
+    from config import load_config
+
+    saved = json.loads(json.dumps(dataclasses.asdict(load_config(overrides=["--task=countdown"]))))
+    same = load_config(overrides=["--task=countdown", "--countdown_numbers=3,4"])
+    assert changed_settings(same, saved) == []  # the default, written out
+    harder = load_config(overrides=["--task=countdown", "--countdown_max_number=200"])
+    assert changed_settings(harder, saved) == [("countdown_max_number", 99, 200)]
+    older = {**{k: v for k, v in saved.items() if k != "task_options"}, **saved["task_options"]}
+    assert changed_settings(harder, older) == [("countdown_max_number", 99, 200)]

@@ -4,6 +4,7 @@ import ast
 import dataclasses
 import glob
 import inspect
+import json
 import math
 import os
 import re
@@ -11,8 +12,9 @@ import re
 import pytest
 
 import config
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, load_config, load_saved, save_config
 from preflight import preflight
+from task import load_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_FILES = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))
@@ -92,10 +94,84 @@ def test_run_file_then_overrides_apply_last(tmp_path, capsys):
     assert cfg.batch_size == 128 and cfg.prompts_per_step == 32
     assert cfg.lr == 1.0 and type(cfg.lr) is float  # an int may stand for a float
     assert cfg.adam_betas == (0.9, 0.95)
-    assert load_config(overrides=["--math_kinds=add,sub"]).math_kinds == ("add", "sub")
-    assert load_config(overrides=["--countdown_numbers=4"]).countdown_numbers == (4,)
+    assert load_config(overrides=["--math_kinds=add,sub"]).task_options["math_kinds"] == ("add",
+                                                                                         "sub")
+    assert load_config(overrides=["--task=countdown", "--countdown_numbers=4"]
+                       ).task_options["countdown_numbers"] == (4,)
     out = capsys.readouterr().out
     assert "override: group_size = 4" in out and "override: adam_betas = (0.9, 0.95)" in out
+
+
+MY_TASK = """
+OPTIONS = {
+    "my_levels": (1, 2),  # a tuple of ints
+    "my_hint": True,
+}
+
+
+def configure(cfg):
+    if not cfg.task_options["my_hint"]:
+        raise ValueError(f"configured with {cfg.task_options}")
+
+
+def problems(split, n, seed):
+    return [{"q": str(i)} for i in range(n)]
+
+
+def prompt(problem):
+    return problem["q"]
+
+
+def reward(completion, problem):
+    return 0.0
+"""
+
+
+def test_a_task_files_options_are_settings_by_name(tmp_path, capsys):
+    task = tmp_path / "mine.py"
+    task.write_text(MY_TASK)
+    cfg = load_config(write(tmp_path, f"task = {str(task)!r}\nmy_levels = [3]\n"),
+                      ["--my_hint=false"])
+    assert cfg.task_options == {"my_levels": (3,), "my_hint": False}  # typed as the defaults
+    assert "override: my_hint = False" in capsys.readouterr().out
+    assert load_config(overrides=[f"--task={task}"]).task_options == {"my_levels": (1, 2),
+                                                                       "my_hint": True}
+    # the task is known only at the end: an option may come before the task that declares it
+    late = load_config(overrides=["--my_levels=4", f"--task={task}"])
+    assert late.task_options["my_levels"] == (4,)
+    with pytest.raises(ConfigError, match="my_levels must hold int items"):
+        load_config(overrides=[f"--task={task}", "--my_levels=a,b"])
+    with pytest.raises(ConfigError, match="unknown setting 'my_level'. Did you mean 'my_levels'"):
+        load_config(overrides=[f"--task={task}", "--my_level=4"])
+    with pytest.raises(ConfigError, match="unknown setting 'countdown_numbers'. It is an option "
+                                          "of tasks/countdown.py: set task=countdown, or"):
+        load_config(overrides=["--task=math", "--countdown_numbers=4"])
+    with pytest.raises(ValueError, match=r"configured with \{'my_levels': \(3,\), 'my_hint': Fa"):
+        load_task(cfg)  # the task file's configure reads them
+
+
+@pytest.mark.parametrize("options, match", [
+    ("OPTIONS = {'my_n': len('ab')}", "OPTIONS must be a dict of setting names and literal"),
+    ("OPTIONS = ['my_n']", "OPTIONS must be a dict"),
+    ("OPTIONS = {'my_n': None}", "OPTIONS must be a dict"),
+    ("OPTIONS = {'lr': 0.1}", r"OPTIONS \['lr'\] are the names of settings"),
+])
+def test_a_task_files_options_must_be_literals_with_their_own_names(tmp_path, options, match):
+    task = tmp_path / "mine.py"
+    task.write_text(options + "\n")
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[f"--task={task}"])
+
+
+def test_the_task_options_are_saved_and_loaded_again(tmp_path):
+    cfg = load_config(overrides=["--task=countdown", "--countdown_numbers=4,5"])
+    save_config(cfg, tmp_path / "config.json")
+    assert load_saved(tmp_path / "config.json").task_options == cfg.task_options
+    # as an older version saved them: beside the settings
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved.update(saved.pop("task_options"))
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert load_saved(tmp_path / "config.json").task_options == cfg.task_options
 
 
 @pytest.mark.parametrize(

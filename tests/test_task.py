@@ -385,11 +385,13 @@ PROMPT = ('def prompt(problem):\n    return [{"role": "user", "content": f"Count
         (["--task=math", "--math_kinds="], r"math_kinds=\(\): choose from"),
         (["--task=countdown", "--countdown_numbers=3,9"],
          r"countdown_numbers=\(3, 9\): use counts from 2 to 6"),
+        (["--task=countdown", "--countdown_max_target=0"], "countdown_max_target=0 must be >= 1"),
+        (["--task=math", "--math_max_number=0"], "math_max_number=0 must be >= 1"),
     ],
 )
 def test_a_task_and_its_settings_are_checked_when_it_loads(tmp_path, overrides, message):
-    """config.py knows no task: an unknown task, and a built-in task's own settings, fail in
-    load_task, which pre-flight runs before any model loads."""
+    """config.py knows no task: an unknown task, and a built-in task's own settings (its OPTIONS),
+    fail in load_task, which pre-flight runs before any model loads."""
     cfg = load_config(overrides=overrides)  # a config that loads
     with pytest.raises(ConfigError, match=message):
         load_task(cfg)
@@ -639,3 +641,27 @@ def test_replay_counts_and_prints_each_planted_disagreement(tmp_path, capsys):
     assert agreed.returncode == 0 and "1 rollouts" in agreed.stdout
     usage = subprocess.run(cli[:2], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert usage.returncode == 1 and "usage: python task.py --replay" in usage.stderr
+
+
+def test_a_task_that_borrows_another_tasks_configure_declares_the_same_options():
+    from config import declared_options, task_path
+
+    def options(task):
+        return declared_options(task_path(task)).items()
+
+    assert options("countdown_base") == options("countdown")
+    assert options("dataset") <= options("math")
+
+
+def test_a_data_file_as_the_task_takes_the_math_tasks_answer_setting(tmp_path):
+    """tasks/dataset.py scores a math row with tasks/math.py: it declares math_last_number, and
+    math's configure fills in the options only math has."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "What is 2 + 3?", "answer": "5"}\n' * 4)
+    cfg = load_config(overrides=[f"--task={rows}", "--math_last_number=false"])
+    task = load_task(cfg)
+    problem = {"prompt": "What is 2 + 3?", "answer": "5"}
+    assert cfg.task_options == {"math_last_number": False}
+    assert task.reward("The sum is 5.", problem)["correct"] == 0.0  # tags only
+    cfg = load_config(overrides=[f"--task={rows}"])
+    assert load_task(cfg).reward("The sum is 5.", problem)["correct"] == 1.0

@@ -521,6 +521,7 @@ UNFIXED = """import task as _task
 _rg = _task.import_file({path!r})
 configure, problems, prompt, reward, reference = (_rg.configure, _rg.problems, _rg.prompt,
                                                    _rg.reward, _rg.reference)
+OPTIONS = {{"rg_dataset": ""}}  # configure's setting
 """
 
 
