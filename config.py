@@ -2,7 +2,8 @@
 
 A run file in config/ is plain Python that assigns names, e.g. `group_size = 16`. It is loaded
 first, then `--key=value` overrides from the command line; both are checked against the fields
-below (unknown names fail and suggest the closest one; values are parsed to the default's type).
+below and the task file's own settings, its OPTIONS (unknown names fail and suggest the closest
+one; values are parsed to the default's type).
 
     python preflight.py --config config/countdown_3b.py --lr=1e-6   # the final config + pre-flight
 
@@ -18,8 +19,6 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-
-from data.files import is_data_path
 
 
 @dataclass
@@ -294,7 +293,7 @@ def _closest(name, options=()):
     owners = [task for task in builtin_tasks() if name in declared_options(task_path(task))]
     if owners:
         return (f" It is an option of tasks/{owners[0]}.py: set task={owners[0]}, or, in a task "
-                f"file that uses its configure, declare it in OPTIONS as that file does.")
+                "file that uses its configure, declare it in OPTIONS as that file does.")
     names = [f.name for f in dataclasses.fields(Config) if f.init] + list(options)
     match = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     return f" Did you mean '{match[0]}'?" if match else ""
@@ -373,12 +372,10 @@ def builtin_tasks():
 
 def task_path(task):
     """The task file that `task` names: tasks/NAME.py for a built-in name, a .py path as it is,
-    tasks/dataset.py for a data file or folder; "" for none of these (task.task_file says why)."""
+    else tasks/dataset.py (the task is a data file; task.task_file checks that it is one)."""
     if task in builtin_tasks():
         return os.path.join(TASK_DIR, task + ".py")
-    if task.endswith(".py"):
-        return task
-    return os.path.join(TASK_DIR, "dataset.py") if is_data_path(task) else ""
+    return task if task.endswith(".py") else os.path.join(TASK_DIR, "dataset.py")
 
 
 def declared_options(path):
@@ -399,10 +396,11 @@ def declared_options(path):
             except ValueError:
                 options = None
             if not isinstance(options, dict) or not all(
-                    isinstance(k, str) and type(v) in PARSERS for k, v in options.items()):
+                    isinstance(k, str) and type(v) in PARSERS and v != ()
+                    for k, v in options.items()):
                 raise ConfigError(f"task file {path}: OPTIONS must be a dict of setting names and "
-                                  "literal defaults (bool, int, float, str, tuple), e.g. "
-                                  "{'max_number': 99}")
+                                  "literal defaults (bool, int, float, str, a tuple not empty), "
+                                  "e.g. {'max_number': 99}")
             clash = sorted(set(options) & set(Config.__dataclass_fields__))
             need(not clash, f"task file {path}: OPTIONS {clash} are the names of settings; name "
                             "them after the task (countdown_numbers)")

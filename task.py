@@ -136,13 +136,12 @@ def multi_turn(cfg, task):
 def task_file(cfg):
     """The file `cfg.task` names (config.task_path): a built-in name, a .py path, or (a data file
     as the task) tasks/dataset.py."""
-    path = task_path(cfg.task)
-    if not path:
+    if not (cfg.task in builtin_tasks() or cfg.task.endswith(".py") or is_data_path(cfg.task)):
         raise ConfigError(f"task={cfg.task!r}: choose a built-in task {builtin_tasks()}, a task "
                           "file (.py), or a data file (.jsonl, .parquet, .csv) or folder")
-    if not os.path.isfile(path):
+    if not os.path.isfile(task_path(cfg.task)):
         raise ConfigError(f"task file {cfg.task} not found")
-    return path
+    return task_path(cfg.task)
 
 
 def import_file(path):
