@@ -43,9 +43,9 @@ import time
 import traceback
 
 import parallel
-from rewards import OutOfTime, within
 from rollout import Completion
 from sandbox import run_python
+from scoring import OutOfTime, within
 from tools import turn_seed
 
 

@@ -3,6 +3,7 @@ call under a deadline, in forked children; what a call returns, as named floats.
 
     task_rewards(task, texts, problems, timeout)  # task.score's entry (and audit's): a row's
                                                   # {name: float}, or why its call failed
+    within(seconds, fn, *args)  # a deadline in this process: the math verifier's, an environment's
 
 The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or
 hangs scores 0 for that completion and is counted in reward/errors; the run goes on. Module state
@@ -222,6 +223,77 @@ def _run_jobs(reward, jobs, check, timeout, workers, failed, size=lambda args: 1
             else:
                 proc.join()
     return results
+
+
+# ---------------------------------------------------------------- a deadline in this process
+
+
+REFIRE = 0.05  # s: past the deadline, how often the main thread's timer fires again
+
+
+class OutOfTime(BaseException):
+    """Raised inside a check past its deadline. A BaseException: math-verify and sympy catch
+    Exception everywhere, and must not swallow it."""
+
+
+def _out_of_time(*_):
+    raise OutOfTime
+
+
+def within(seconds, fn, *args):
+    """fn(*args), or OutOfTime once `seconds` have passed. Neither way can stop one long C call (a
+    huge integer power): the math check's guard (rewards._too_big) keeps those out.
+
+    In the main thread (a reward worker's, or reward_timeout=0) a SIGALRM timer, free while it runs;
+    a timer the caller had set (pytest-timeout, its own alarm) is put back after. Elsewhere, where
+    signals cannot go (and where math-verify's own signal.alarm timeouts raise), a trace function
+    that checks the clock at every Python call: 3-4x slower, so only there.
+
+    Either way the deadline raises again until the check is over: Python prints and drops an
+    exception raised inside a finalizer (a generator closed as it is collected, which parsers leave
+    behind at every short-cut any(), or a __del__), so one raise alone can be lost, and the check
+    would run on unbounded.
+    """
+    try:
+        old_handler = signal.signal(signal.SIGALRM, _out_of_time)
+    except ValueError:  # not the main thread
+        return _traced_within(seconds, fn, *args)
+    start = time.monotonic()
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds, REFIRE)
+    try:
+        try:
+            return fn(*args)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # an alarm already due raises here, once
+    finally:
+        signal.signal(signal.SIGALRM, old_handler)
+        if old_delay:  # the caller's own timer, less the time spent here (already due: at once)
+            left = max(1e-6, old_delay - (time.monotonic() - start))
+            signal.setitimer(signal.ITIMER_REAL, left, old_interval)
+
+
+def _traced_within(seconds, fn, *args):
+    """within off the main thread: the clock checked at every Python call. Python unsets a trace
+    function that raises; past the deadline a profile function (called at every call and return,
+    and never raising, so never unset) puts it back, in case that raise was dropped."""
+    deadline = time.monotonic() + seconds
+
+    def check(frame, event, arg):
+        if time.monotonic() > deadline:
+            sys.setprofile(rearm)
+            raise OutOfTime
+
+    def rearm(frame, event, arg):
+        if sys.gettrace() is None:
+            sys.settrace(check)
+
+    old_trace, old_profile = sys.gettrace(), sys.getprofile()
+    sys.settrace(check)
+    try:
+        return fn(*args)
+    finally:
+        sys.setprofile(old_profile)  # first: rearm would put check back
+        sys.settrace(old_trace)
 
 
 # ---------------------------------------------------------------- TRL-style reward functions

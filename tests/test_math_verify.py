@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from math_verify import parse, verify
 
 from config import ConfigError, load_config
-from rewards import MATH_TIMEOUT, OutOfTime, math_equal, math_reward, within
-from scoring import run_rewards
+from rewards import MATH_TIMEOUT, math_equal, math_reward
+from scoring import OutOfTime, run_rewards, within
 from task import load_task, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
