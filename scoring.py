@@ -247,12 +247,13 @@ def within(seconds, fn, *args):
     In the main thread (a reward worker's, or reward_timeout=0) a SIGALRM timer, free while it runs;
     a timer the caller had set (pytest-timeout, its own alarm) is put back after. Elsewhere, where
     signals cannot go (and where math-verify's own signal.alarm timeouts raise), a trace function
-    that checks the clock at every Python call: 3-4x slower, so only there.
+    that checks the clock at every Python call: 3-4x slower, so only there. A within inside another
+    keeps the sooner deadline.
 
-    Either way the deadline raises again until the check is over: Python prints and drops an
-    exception raised inside a finalizer (a generator closed as it is collected, which parsers leave
-    behind at every short-cut any(), or a __del__), so one raise alone can be lost, and the check
-    would run on unbounded.
+    Either way the deadline raises again, every REFIRE s, until the check is over: Python prints
+    and drops an exception raised inside a finalizer (a generator closed as it is collected, which
+    parsers leave behind at every short-cut any(), or a __del__), so one raise alone can be lost,
+    and the check would run on unbounded.
     """
     try:
         old_handler = signal.signal(signal.SIGALRM, _out_of_time)
@@ -260,6 +261,8 @@ def within(seconds, fn, *args):
         return _traced_within(seconds, fn, *args)
     start = time.monotonic()
     old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds, REFIRE)
+    if old_handler is _out_of_time and 0 < old_delay < seconds:  # the outer within's is sooner
+        signal.setitimer(signal.ITIMER_REAL, old_delay, REFIRE)
     try:
         try:
             return fn(*args)
@@ -274,25 +277,33 @@ def within(seconds, fn, *args):
 
 def _traced_within(seconds, fn, *args):
     """within off the main thread: the clock checked at every Python call. Python unsets a trace
-    function that raises; past the deadline a profile function (called at every call and return,
-    and never raising, so never unset) puts it back, in case that raise was dropped."""
-    deadline = time.monotonic() + seconds
+    function that raises; past the deadline a profile function (never raising, so never unset)
+    puts it back REFIRE s after each raise, in case that raise was dropped. Not sooner: the with
+    and finally blocks the raise runs on its way out must run whole (sympy's `with workprec`
+    restores mpmath's precision, for the whole process). Under a profiler already on, no second
+    raise."""
+    deadline = min(time.monotonic() + seconds, getattr(sys.gettrace(), "deadline", math.inf))
+    raised = [math.inf]  # when check last raised
 
     def check(frame, event, arg):
         if time.monotonic() > deadline:
-            sys.setprofile(rearm)
+            if sys.getprofile() is None:
+                sys.setprofile(rearm)
+            raised[0] = time.monotonic()
             raise OutOfTime
 
     def rearm(frame, event, arg):
-        if sys.gettrace() is None:
+        if sys.gettrace() is None and time.monotonic() - raised[0] > REFIRE:
             sys.settrace(check)
 
-    old_trace, old_profile = sys.gettrace(), sys.getprofile()
+    check.deadline = deadline  # for a within inside this one
+    old_trace = sys.gettrace()
     sys.settrace(check)
     try:
         return fn(*args)
     finally:
-        sys.setprofile(old_profile)  # first: rearm would put check back
+        if sys.getprofile() is rearm:
+            sys.setprofile(None)  # first: rearm would put check back
         sys.settrace(old_trace)
 
 

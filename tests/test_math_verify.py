@@ -284,27 +284,77 @@ def first_deadline_lost_in_a_finalizer(first_seconds=0.5, total_seconds=5.0):
     return "ran to the end"
 
 
+def in_thread(thread, fn):
+    """fn() in the main thread or another; its result, and the trace, profile, SIGALRM handler and
+    timer it leaves behind in that thread."""
+    results = {}
+
+    def run():
+        try:
+            results["returned"] = fn()
+        except OutOfTime:
+            results["returned"] = "out of time"
+        results["left"] = (sys.gettrace(), sys.getprofile())
+        if thread == "main":
+            results["left"] += (signal.getsignal(signal.SIGALRM),
+                                signal.getitimer(signal.ITIMER_REAL))
+
+    if thread == "main":
+        run()
+    else:
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join(30)
+    return results
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("thread", ["main", "other"])
 def test_a_deadline_lost_in_a_finalizer_fires_again(thread):
-    results = {}
+    before = (sys.gettrace(), sys.getprofile())
+    if thread == "main":
+        before += (signal.getsignal(signal.SIGALRM), (0.0, 0.0))
+    start = time.perf_counter()
+    results = in_thread(thread, lambda: within(0.2, first_deadline_lost_in_a_finalizer))
+    assert results == {"returned": "out of time", "left": before}  # and nothing left behind
+    assert time.perf_counter() - start == pytest.approx(0.6, abs=0.5)
+
+
+@pytest.mark.parametrize("thread", ["main", "other"])
+def test_the_with_blocks_a_deadline_unwinds_run_whole(thread):
+    """Past the deadline the check unwinds through its with and finally blocks (sympy's `with
+    workprec` puts mpmath's process-wide precision back): those must run whole."""
+    state = []
+
+    class Precision:
+        def __enter__(self):
+            state.append("set")
+
+        def __exit__(self, *exc):
+            time.sleep(0.01)  # the refire must not land here
+            state.append(step("restored"))  # a Python call: the trace's chance to raise
+
+    def step(x=None):
+        return x
 
     def check():
-        start = time.perf_counter()
-        try:
-            results["returned"] = within(0.2, first_deadline_lost_in_a_finalizer)
-        except OutOfTime:
-            results["returned"] = "out of time"
-        results["seconds"] = time.perf_counter() - start
+        with Precision():
+            while True:
+                step()
 
-    if thread == "main":
-        check()
-    else:
-        worker = threading.Thread(target=check)
-        worker.start()
-        worker.join(30)
-    assert results == {"returned": "out of time", "seconds": pytest.approx(0.6, abs=0.5)}
-    assert sys.gettrace() is None and sys.getprofile() is None
+    assert in_thread(thread, lambda: within(0.1, check))["returned"] == "out of time"
+    assert state == ["set", "restored"]
+
+
+@pytest.mark.parametrize("thread", ["main", "other"])
+def test_a_deadline_inside_another_keeps_the_sooner(thread):
+    def inner():
+        while True:
+            (lambda: None)()
+
+    start = time.perf_counter()
+    assert in_thread(thread, lambda: within(0.2, within, 5.0, inner))["returned"] == "out of time"
+    assert time.perf_counter() - start < 2.0
 
 
 def test_the_first_check_in_a_fresh_process_is_right_under_a_short_deadline():
