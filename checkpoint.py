@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 import parallel
-from config import DELETED, Config, ConfigError, save_config
+from config import DELETED, Config, ConfigError, declared_options, save_config, task_path
 
 
 @dataclass
@@ -319,10 +319,12 @@ def changed_settings(cfg, saved):
     now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples become the lists the JSON holds
     changed = [(k, saved[k], now[k]) for k in RUN_SETTINGS
                if k in saved and saved[k] != now[k] and not same_file(saved[k], now[k])]
-    # the task file's options, all the run's (an older version saved them beside the settings)
+    # the task file's options, all the run's (an eval set's are free, as eval_tasks is); an older
+    # version saved them beside the settings
     options = saved.get("task_options") or {k: saved[k] for k in now["task_options"] if k in saved}
-    changed += [(k, options[k], v) for k, v in now["task_options"].items()
-                if k in options and options[k] != v]
+    now_options = now["task_options"]
+    changed += [(k, options[k], now_options[k]) for k in declared_options(task_path(cfg.task))
+                if k in options and k in now_options and options[k] != now_options[k]]
     for k in DELETED_RUN_SETTINGS:
         default, instead = DELETED[k]
         if k in saved and saved[k] != default:

@@ -289,11 +289,12 @@ def on_gpu(cfg):
 
 
 def _closest(name, options=()):
-    """A hint for an unknown name: the built-in task that declares it, or the nearest name."""
+    """A hint for an unknown name: the built-in tasks that declare it, or the nearest name."""
     owners = [task for task in builtin_tasks() if name in declared_options(task_path(task))]
     if owners:
-        return (f" It is an option of tasks/{owners[0]}.py: set task={owners[0]}, or, in a task "
-                "file that uses its configure, declare it in OPTIONS as that file does.")
+        return (f" It is an option of task {' and '.join(owners)} (tasks/): set task to one of "
+                "them, or, in a task file that uses its configure, declare it in OPTIONS as "
+                "that file does.")
     names = [f.name for f in dataclasses.fields(Config) if f.init] + list(options)
     match = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     return f" Did you mean '{match[0]}'?" if match else ""
@@ -382,30 +383,55 @@ def declared_options(path):
     """The settings the task file at `path` declares for itself, {name: default}: its OPTIONS, a
     dict of literals. Read from the file's text, not imported: a task file is imported (and
     configured) once, in pre-flight. {} for a file without OPTIONS, or one that is not there or
-    does not parse (task.load_task says why)."""
-    try:
-        with open(path) as f:
-            tree = ast.parse(f.read(), path)
-    except (OSError, SyntaxError, ValueError):
+    does not parse (_unread says why; task.load_task reports it)."""
+    if _unread(path):
         return {}
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
     for node in tree.body:
-        names = [getattr(t, "id", "") for t in getattr(node, "targets", [])]
-        if isinstance(node, ast.Assign) and names == ["OPTIONS"]:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if [getattr(t, "id", "") for t in targets] == ["OPTIONS"] and node.value is not None:
             try:
                 options = ast.literal_eval(node.value)
             except ValueError:
                 options = None
             if not isinstance(options, dict) or not all(
-                    isinstance(k, str) and type(v) in PARSERS and v != ()
+                    isinstance(k, str) and type(v) in PARSERS and _is_flat(v)
                     for k, v in options.items()):
                 raise ConfigError(f"task file {path}: OPTIONS must be a dict of setting names and "
-                                  "literal defaults (bool, int, float, str, a tuple not empty), "
-                                  "e.g. {'max_number': 99}")
-            clash = sorted(set(options) & set(Config.__dataclass_fields__))
-            need(not clash, f"task file {path}: OPTIONS {clash} are the names of settings; name "
-                            "them after the task (countdown_numbers)")
+                                  "literal defaults (bool, int, float, str, or a tuple of them, "
+                                  "not empty), e.g. {'max_number': 99}")
+            taken = set(Config.__dataclass_fields__) | set(RENAMED) | set(DELETED)
+            clash = sorted(set(options) & taken)
+            need(not clash, f"task file {path}: OPTIONS {clash} are (or were) the names of "
+                            "settings; name them after the task (countdown_numbers)")
             return options
     return {}
+
+
+def run_options(cfg):
+    """The options a run may set, {name: default}: those of its task file and of its eval sets'
+    (eval_tasks, M2); where two declare one name, the run's task's default."""
+    options = {}
+    for spec in reversed([cfg.task, *filter(None, map(str.strip, cfg.eval_tasks.split(",")))]):
+        options.update(declared_options(task_path(spec)))
+    return options
+
+
+def _is_flat(value):
+    """A default a command line can write: a scalar, or a tuple of scalars, not empty."""
+    scalars = (bool, int, float, str)
+    return type(value) in scalars or bool(value) and all(type(v) in scalars for v in value)
+
+
+def _unread(path):
+    """Why the task file at `path` cannot be read for its OPTIONS, or ""."""
+    try:
+        with open(path) as f:
+            ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def load_config(path=None, overrides=()):
@@ -436,9 +462,13 @@ def load_config(path=None, overrides=()):
         value = parse_value(name, text, getattr(Config(), name))
         print(f"override: {name} = {value!r}")
         setattr(cfg, name, value)
-    options = declared_options(task_path(cfg.task))
+    options = run_options(cfg)
     cfg.task_options = dict(options)
     for where, name, value in task_given:
+        if name not in options and _unread(task_path(cfg.task)):
+            raise ConfigError(f"{where}: unknown setting '{name}': the task file "
+                              f"{task_path(cfg.task)} that may declare it cannot be read "
+                              f"({_unread(task_path(cfg.task))})")
         if name not in options:
             raise ConfigError(f"{where}: unknown setting '{name}'.{_closest(name, options)}")
         if where == "command line":
@@ -480,7 +510,7 @@ def load_saved(path):
         # a dict under a settable name is an older version's derived value
         if f.init and f.name in saved and not isinstance(saved[f.name], dict):
             setattr(cfg, f.name, _coerce(f.name, saved[f.name], f.default))
-    options = declared_options(task_path(cfg.task))
+    options = run_options(cfg)
     # an older version saved the task's options beside the settings
     given = saved.get("task_options") or {k: saved[k] for k in options if k in saved}
     cfg.task_options = {k: _coerce(k, given.get(k, v), v) for k, v in options.items()}

@@ -782,8 +782,13 @@ spec.loader.exec_module(module)
 if job["config"] is not None and hasattr(module, "configure"):
     import config
     cfg = config.Config()
+    def as_tuple(value):  # JSON gave lists where the Config holds tuples
+        return tuple(value) if isinstance(value, list) else value
+
     for key, value in job["config"].items():
-        setattr(cfg, key, tuple(value) if isinstance(value, list) else value)
+        if key == "task_options":
+            value = {k: as_tuple(v) for k, v in value.items()}
+        setattr(cfg, key, as_tuple(value))
     module.configure(config.derive(cfg))
 function = getattr(module, job["function"])
 try:

@@ -53,7 +53,7 @@ def configure(cfg):
     if cfg.data_path:
         raise ConfigError("task=reasoning_gym makes its own problems; unset "
                           f"data_path={cfg.data_path!r}")
-    name = cfg.task_options["rg_dataset"]
+    name = {**OPTIONS, **cfg.task_options}["rg_dataset"]  # a file using configure may not set it
     if name not in DATASETS:
         close = difflib.get_close_matches(name, DATASETS, n=3, cutoff=0.5)
         hint = f"; closest: {', '.join(close)}" if close else ""

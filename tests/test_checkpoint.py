@@ -157,3 +157,8 @@ def test_a_changed_task_option_is_a_changed_run():
     assert changed_settings(harder, saved) == [("countdown_max_number", 99, 200)]
     older = {**{k: v for k, v in saved.items() if k != "task_options"}, **saved["task_options"]}
     assert changed_settings(harder, older) == [("countdown_max_number", 99, 200)]
+    # an eval set's options are free, as eval_tasks is
+    evals = json.loads(json.dumps(dataclasses.asdict(load_config(
+        overrides=["--eval_tasks=countdown", "--countdown_numbers=5"]))))
+    other = load_config(overrides=["--eval_tasks=countdown", "--countdown_numbers=4"])
+    assert changed_settings(other, evals) == []

@@ -144,8 +144,18 @@ def test_a_task_files_options_are_settings_by_name(tmp_path, capsys):
     with pytest.raises(ConfigError, match="unknown setting 'my_level'. Did you mean 'my_levels'"):
         load_config(overrides=[f"--task={task}", "--my_level=4"])
     with pytest.raises(ConfigError, match="unknown setting 'countdown_numbers'. It is an option "
-                                          "of tasks/countdown.py: set task=countdown, or"):
+                                          "of task countdown and countdown_base .tasks/.: set"):
         load_config(overrides=["--task=math", "--countdown_numbers=4"])
+    # an eval set's options too (M2), at the run's task's default where both declare one
+    evals = load_config(overrides=["--eval_tasks=countdown,dataset", "--countdown_numbers=5"])
+    assert evals.task_options["countdown_numbers"] == (5,)
+    assert evals.task_options["math_last_number"] is True and "math_kinds" in evals.task_options
+    with pytest.raises(ConfigError, match=r"unknown setting 'my_n': the task file .*gone.py that "
+                                          r"may declare it cannot be read \(FileNotFoundError"):
+        load_config(overrides=[f"--task={tmp_path / 'gone.py'}", "--my_n=1"])
+    (tmp_path / "broken.py").write_text("OPTIONS = {'my_n': 1\n")
+    with pytest.raises(ConfigError, match="cannot be read .SyntaxError"):
+        load_config(overrides=[f"--task={tmp_path / 'broken.py'}", "--my_n=1"])
     with pytest.raises(ValueError, match=r"configured with \{'my_levels': \(3,\), 'my_hint': Fa"):
         load_task(cfg)  # the task file's configure reads them
 
@@ -154,7 +164,11 @@ def test_a_task_files_options_are_settings_by_name(tmp_path, capsys):
     ("OPTIONS = {'my_n': len('ab')}", "OPTIONS must be a dict of setting names and literal"),
     ("OPTIONS = ['my_n']", "OPTIONS must be a dict"),
     ("OPTIONS = {'my_n': None}", "OPTIONS must be a dict"),
-    ("OPTIONS = {'lr': 0.1}", r"OPTIONS \['lr'\] are the names of settings"),
+    ("OPTIONS = {'my_n': ()}", "OPTIONS must be a dict"),
+    ("OPTIONS = {'my_n': ((1, 2),)}", "OPTIONS must be a dict"),  # no command line writes it
+    ("OPTIONS: dict = {'my_n': None}", "OPTIONS must be a dict"),  # annotated, read the same
+    ("OPTIONS = {'lr': 0.1}", r"OPTIONS \['lr'\] are \(or were\) the names of settings"),
+    ("OPTIONS = {'kl_up': 1.2}", r"OPTIONS \['kl_up'\] are \(or were\)"),  # deleted: refused
 ])
 def test_a_task_files_options_must_be_literals_with_their_own_names(tmp_path, options, match):
     task = tmp_path / "mine.py"
