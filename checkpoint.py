@@ -22,7 +22,15 @@ from dataclasses import dataclass
 import torch
 
 import parallel
-from config import DELETED, Config, ConfigError, declared_options, save_config, task_path
+from config import (
+    DELETED,
+    Config,
+    ConfigError,
+    declared_options,
+    save_config,
+    saved_task_options,
+    task_path,
+)
 
 
 @dataclass
@@ -306,9 +314,9 @@ FREE_SETTINGS = (
 RUN_SETTINGS = tuple(f.name for f in dataclasses.fields(Config)
                      if f.init and f.name not in FREE_SETTINGS)
 # deleted settings (config.DELETED) that changed what a run learns: a checkpoint saved with one off
-# the default it had would go on as another run now
-DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "is_seq_cap", "kl_up", "kl_down",
-                        "length_penalty_tokens")
+# the default it had would go on as another run now (is_seq_cap, whose cap is is_cap's now, is
+# compared as is_cap: changed_settings)
+DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "kl_up", "kl_down", "length_penalty_tokens")
 
 
 def changed_settings(cfg, saved):
@@ -317,12 +325,12 @@ def changed_settings(cfg, saved):
     tasks/x.py) are the same. A deleted setting saved off its old default counts too, its value now
     being what replaces it."""
     now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples become the lists the JSON holds
+    if "is_seq_cap" in saved and saved.get("is_correction") == "sequence":  # an older run's cap
+        saved = {**saved, "is_cap": saved["is_seq_cap"]}  # on a completion's rho: is_cap's now
     changed = [(k, saved[k], now[k]) for k in RUN_SETTINGS
                if k in saved and saved[k] != now[k] and not same_file(saved[k], now[k])]
-    # the task file's options, all the run's (an eval set's are free, as eval_tasks is); an older
-    # version saved them beside the settings
-    options = saved.get("task_options") or {k: saved[k] for k in now["task_options"] if k in saved}
-    now_options = now["task_options"]
+    # the task file's options, all the run's (an eval set's are free, as eval_tasks is)
+    options, now_options = saved_task_options(saved, now["task_options"]), now["task_options"]
     changed += [(k, options[k], now_options[k]) for k in declared_options(task_path(cfg.task))
                 if k in options and k in now_options and options[k] != now_options[k]]
     for k in DELETED_RUN_SETTINGS:

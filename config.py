@@ -198,7 +198,8 @@ REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_pen
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
 RENAMED = {"eval_k": ("eval_n", "samples per eval problem, for avg@n, pass@k and maj@n")}
 # settings deleted (dev/LOG.md says why): (the default they had, what to write instead). The
-# default is what the code does now; a checkpoint saved with another value is checked on resume
+# default is what the code does now (is_seq_cap's: is_cap's); a checkpoint saved with another value
+# is checked on resume (checkpoint.changed_settings)
 DELETED = {
     "drop_zero_std_groups": (False, "DAPO's filter without its refill is --dynamic_sampling=true "
                                     "--dynamic_sampling_rounds=0"),
@@ -383,11 +384,12 @@ def declared_options(path):
     """The settings the task file at `path` declares for itself, {name: default}: its OPTIONS, a
     dict of literals. Read from the file's text, not imported: a task file is imported (and
     configured) once, in pre-flight. {} for a file without OPTIONS, or one that is not there or
-    does not parse (_unread says why; task.load_task reports it)."""
-    if _unread(path):
+    does not parse (task.load_task reports it; _unread says why)."""
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
         return {}
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
         if [getattr(t, "id", "") for t in targets] == ["OPTIONS"] and node.value is not None:
@@ -396,8 +398,7 @@ def declared_options(path):
             except ValueError:
                 options = None
             if not isinstance(options, dict) or not all(
-                    isinstance(k, str) and type(v) in PARSERS and _is_flat(v)
-                    for k, v in options.items()):
+                    isinstance(k, str) and _is_flat(v) for k, v in options.items()):
                 raise ConfigError(f"task file {path}: OPTIONS must be a dict of setting names and "
                                   "literal defaults (bool, int, float, str, or a tuple of them, "
                                   "not empty), e.g. {'max_number': 99}")
@@ -421,7 +422,8 @@ def run_options(cfg):
 def _is_flat(value):
     """A default a command line can write: a scalar, or a tuple of scalars, not empty."""
     scalars = (bool, int, float, str)
-    return type(value) in scalars or bool(value) and all(type(v) in scalars for v in value)
+    return type(value) in scalars or (type(value) is tuple and bool(value)
+                                      and all(type(v) in scalars for v in value))
 
 
 def _unread(path):
@@ -465,10 +467,10 @@ def load_config(path=None, overrides=()):
     options = run_options(cfg)
     cfg.task_options = dict(options)
     for where, name, value in task_given:
-        if name not in options and _unread(task_path(cfg.task)):
+        why = "" if name in options else _unread(task_path(cfg.task))
+        if why:
             raise ConfigError(f"{where}: unknown setting '{name}': the task file "
-                              f"{task_path(cfg.task)} that may declare it cannot be read "
-                              f"({_unread(task_path(cfg.task))})")
+                              f"{task_path(cfg.task)} that may declare it cannot be read ({why})")
         if name not in options:
             raise ConfigError(f"{where}: unknown setting '{name}'.{_closest(name, options)}")
         if where == "command line":
@@ -511,13 +513,18 @@ def load_saved(path):
         if f.init and f.name in saved and not isinstance(saved[f.name], dict):
             setattr(cfg, f.name, _coerce(f.name, saved[f.name], f.default))
     options = run_options(cfg)
-    # an older version saved the task's options beside the settings
-    given = saved.get("task_options") or {k: saved[k] for k in options if k in saved}
+    given = saved_task_options(saved, options)
     cfg.task_options = {k: _coerce(k, given.get(k, v), v) for k, v in options.items()}
     return derive(cfg)
 
 
 # ---------------------------------------------------------------- pre-flight (O6)
+
+
+def saved_task_options(saved, names):
+    """The task options in a saved config (save_config's JSON): its task_options, or, saved by an
+    older version, those of `names` beside the settings."""
+    return saved.get("task_options") or {k: saved[k] for k in names if k in saved}
 
 
 def need(ok, message):

@@ -45,7 +45,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from tqdm import tqdm
@@ -88,10 +88,6 @@ def eval_is_due(cfg, step):
 
 
 # ---------------------------------------------------------------- rollouts (R3, R7, W1)
-
-# Rollouts' (N,) tensors: rows(), + and gathered() take each alike (replace() copies the rest)
-ROW_TENSORS = ("rewards", "lengths", "truncated", "tool_calls", "tool_errors", "tool_tokens")
-
 
 @dataclass
 class Rollouts:
@@ -156,6 +152,10 @@ class Rollouts:
             self, problem=parallel.all_gather_list(self.problem), completions=[],
             components={k: gather(self.component(k)) for k in names},
             **{f: gather(getattr(self, f)) for f in ROW_TENSORS})
+
+
+# Rollouts' (N,) tensors: rows(), + and gathered() take each alike (replace() copies the rest)
+ROW_TENSORS = tuple(f.name for f in fields(Rollouts) if f.type is torch.Tensor)
 
 
 def generate_and_score(engine, train, idx, seeds, cfg, temperature):

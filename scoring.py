@@ -228,7 +228,9 @@ def _run_jobs(reward, jobs, check, timeout, workers, failed, size=lambda args: 1
 # ---------------------------------------------------------------- a deadline in this process
 
 
-REFIRE = 0.05  # s: past the deadline, how often the main thread's timer fires again
+# s: past the deadline, how soon it raises again (the timer refires; off the main thread the trace
+# comes back), in case Python dropped the raise in a finalizer
+REFIRE = 0.05
 
 
 class OutOfTime(BaseException):

@@ -27,7 +27,8 @@ SETTINGS = {}  # the generator's keyword arguments, from the run's options (conf
 
 def configure(cfg):
     # the defaults for what the run's task file leaves out (one that borrows this configure)
-    numbers, max_number, max_target = ({**OPTIONS, **cfg.task_options}[k] for k in OPTIONS)
+    options = {**OPTIONS, **cfg.task_options}
+    numbers, max_number, max_target = (options[k] for k in OPTIONS)
     if not numbers or not set(numbers) <= {2, 3, 4, 5, 6}:
         raise ConfigError(f"countdown_numbers={numbers}: use counts from 2 to 6, e.g. (3, 4)")
     if min(max_number, max_target) < 1:

@@ -30,7 +30,8 @@ SETTINGS = {}
 
 def configure(cfg):
     # the defaults for what the run's task file leaves out (tasks/dataset.py: all but one)
-    kinds, max_number, last_number = ({**OPTIONS, **cfg.task_options}[k] for k in OPTIONS)
+    options = {**OPTIONS, **cfg.task_options}
+    kinds, max_number, last_number = (options[k] for k in OPTIONS)
     if not kinds or set(kinds) - set(KINDS):
         raise ConfigError(f"math_kinds={kinds}: choose from {tuple(KINDS)}")
     if max_number < 1:

@@ -138,6 +138,15 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
     assert changed_settings(changed, saved) == [("adv_clip", 0.0, 2.0)]
     # a deleted setting saved off its old default is named with what stands for it; at it, not
     assert changed_settings(load_config(), {**saved, "is_seq_cap": 3.0, "kl_up": 1.2}) == []
+    # an older sequence-level run's cap (is_seq_cap, default 3) is is_cap's now (default 2)
+    sequence = json.loads(json.dumps(dataclasses.asdict(load_config(
+        overrides=["--is_correction=sequence"]))))
+    older = {**sequence, "is_seq_cap": 3.0}
+    now = load_config(overrides=["--is_correction=sequence"])
+    assert changed_settings(now, older) == [("is_cap", 3.0, 2.0)]
+    assert changed_settings(load_config(overrides=["--is_correction=sequence", "--is_cap=3"]),
+                            older) == []
+    assert changed_settings(load_config(), {**saved, "is_seq_cap": 5.0}) == []  # unused: IS off
     assert changed_settings(load_config(), {**saved, "drop_zero_std_groups": True}) == [
         ("drop_zero_std_groups", True, "deleted: " + config.DELETED["drop_zero_std_groups"][1])]
 

@@ -556,7 +556,8 @@ def test_grouped_heads_on_cpu_give_transformers_sdpa_numbers():
 def test_freed_memory_stays_in_a_cpu_run(tmp_path, keep):
     """After prepare_run on a CPU a freed 65 MB block serves the next 64 MB one with no page
     faults; in a process that did not call it, glibc maps each such block afresh and every page is
-    faulted in again (ru_minflt counts them)."""
+    faulted in again (ru_minflt counts them). keep=False runs no project code: it is the control,
+    showing that the count catches a process that does not keep its freed memory."""
     prepare = f"""grpo.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}",
                   "--device=cpu"])"""
     code = f"""
