@@ -316,7 +316,8 @@ RUN_SETTINGS = tuple(f.name for f in dataclasses.fields(Config)
 # deleted settings (config.DELETED) that changed what a run learns: a checkpoint saved with one off
 # the default it had would go on as another run now (is_seq_cap, whose cap is is_cap's now, is
 # compared as is_cap: changed_settings)
-DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "kl_up", "kl_down", "length_penalty_tokens")
+DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "kl_up", "kl_down", "length_penalty_tokens",
+                        "format_weight", "correct_weight")
 
 
 def changed_settings(cfg, saved):

@@ -64,14 +64,14 @@ class Config:
     curriculum_ramp_steps: int = 100  # D2: steps over which the hard share ramps up to its weight
 
     # ---- rewards (W2, W3) ----
-    format_weight: float = 0.1  # W2: reward for the <think>..</think><answer>..</answer> layout
-    correct_weight: float = 1.0  # W2: reward for a correct answer (code: per passed share of tests)
     wrong_penalty: float = 0.0  # W2: added to a parsed but wrong answer (small, e.g. -0.1); 0 = off
     unparsed_penalty: float = -0.2  # W2: added to no well-formed answer (larger, -0.5); 0 = off
     length_soft_limit: int = 0  # W3: completion tokens past which length_penalty applies; 0 = off
     length_penalty: float = 0.05  # W3: minus this per 32 tokens begun past the limit
     length_min: int = 0  # W3: completions shorter than this many tokens score 0; 0 = off
-    reward_weights: str = ""  # W2: "name:weight,..." of the task's components; else the task's or 1
+    # "correct": a right answer (code: the share of tests passed), weight 1; "format": the
+    # <think>..</think><answer>..</answer> layout, 0.1; a task's own: its WEIGHTS, else 1
+    reward_weights: str = ""  # W2: "name:weight,..." of the reward's components (TRL's, by name)
     reward_timeout: float = 10.0  # seconds a reward may run, else 0 (reward/errors); 0 = no limit
     reward_workers: int = 0  # score in N child processes (code rewards wait on sandboxes); 0 = one
 
@@ -193,8 +193,8 @@ class Config:
 # the bound sits above that, below a temperature mismatch or weights several steps stale.
 PARITY_WARN = {"float32": 1e-3, "bfloat16": 0.1}
 
-REWARD_KEYS = ("format_weight", "correct_weight", "wrong_penalty", "unparsed_penalty",
-               "length_soft_limit", "length_penalty", "length_min")
+REWARD_KEYS = ("wrong_penalty", "unparsed_penalty", "length_soft_limit", "length_penalty",
+               "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
 RENAMED = {"eval_k": ("eval_n", "samples per eval problem, for avg@n, pass@k and maj@n")}
 # settings deleted (dev/LOG.md says why): (the default they had, what to write instead). The
@@ -212,6 +212,10 @@ DELETED = {
                          "config.PARITY_WARN (1e-3 in fp32, 0.1 in bf16)"),
     "length_penalty_tokens": (32, "length_penalty is per 32 tokens (shaping.shape_reward's "
                                   "length_penalty_tokens)"),
+    "format_weight": (0.1, "the format component's weight is --reward_weights=format:W "
+                           "(default 0.1)"),
+    "correct_weight": (1.0, "the correct component's weight is --reward_weights=correct:W "
+                            "(default 1)"),
 }
 CHOICES = {
     "adv_scale": ("group", "batch", "none"), "adv_baseline": ("mean", "leave-one-out"),
@@ -261,6 +265,9 @@ def pairs(name, text):
                 float(value)
             except ValueError:
                 raise ConfigError(f"reward_weights: {key}:{value} is not a number") from None
+        if "parsed" in out:
+            raise ConfigError("reward_weights: parsed has no weight; it picks wrong_penalty (a "
+                              "parsed, wrong answer) or unparsed_penalty: set those")
     return out
 
 

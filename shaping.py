@@ -7,27 +7,28 @@ import math
 
 import torch
 
-# components weighed by their own settings, not by `weights`
-OWN_SETTINGS = ("correct", "format", "parsed")
+# W2: the weights of the built-in verifiers' components; a task's WEIGHTS and reward_weights
+# override them ("format:0.2"). "parsed" weighs nothing: it picks wrong_penalty or unparsed_penalty
+WEIGHTS = {"correct": 1.0, "format": 0.1}
 
 
-def shape_reward(c, length, *, weights=None, format_weight=0.1, correct_weight=1.0,
-                 wrong_penalty=0.0, unparsed_penalty=0.0, length_soft_limit=0, length_penalty=0.05,
-                 length_penalty_tokens=32, length_min=0):
+def shape_reward(c, length, *, weights=None, wrong_penalty=0.0, unparsed_penalty=0.0,
+                 length_soft_limit=0, length_penalty=0.05, length_penalty_tokens=32, length_min=0):
     """One scalar from a completion's components and its length in tokens.
 
-    W2: correct_weight * correct + format_weight * format + the task's other components, each times
-        its weight in `weights` (default 1, as TRL's reward_weights). With a "parsed" component, a
-        parseable but wrong answer adds wrong_penalty (small, e.g. -0.1), an unparseable one
-        unparsed_penalty (larger, e.g. -0.5). (A common blog reward gives 0.4 when the answer tag is
-        missing, rewarding the missing answer; not here.)
+    W2: each component times its weight: `weights`, else WEIGHTS' (correct 1, format 0.1), else 1
+        (as TRL's reward_weights). With a "parsed" component, a parseable but wrong answer adds
+        wrong_penalty (small, e.g. -0.1), an unparseable one unparsed_penalty (larger, e.g. -0.5).
+        (A common blog reward gives 0.4 when the answer tag is missing, rewarding the missing
+        answer; not here.)
     W3: past length_soft_limit tokens, -length_penalty per length_penalty_tokens started;
         below length_min tokens the reward is 0. Both 0 = off.
     Example: correct, well formatted, 100 tokens, defaults -> 1.1.
     """
-    weights = weights or {}
-    reward = correct_weight * c.get("correct", 0.0) + format_weight * c.get("format", 0.0)
-    reward += sum(weights.get(k, 1.0) * v for k, v in c.items() if k not in OWN_SETTINGS)
+    weights = {**WEIGHTS, **(weights or {})}
+    reward = weights["correct"] * c.get("correct", 0.0) + weights["format"] * c.get("format", 0.0)
+    reward += sum(weights.get(k, 1.0) * v for k, v in c.items()
+                  if k not in ("correct", "format", "parsed"))
     if "parsed" in c and c["parsed"] and c.get("correct", 0.0) < 1:
         reward += wrong_penalty
     if "parsed" in c and not c["parsed"]:

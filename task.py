@@ -21,8 +21,8 @@ and may define:
     COMPLETION_PREFIX = "<think>"   the answer's first words, written by the prompt, not sampled;
                                     the reward sees them in front of the completion (R1-Zero's
                                     template ends with it)
-    WEIGHTS = {"numbers_valid": 0}  weights of the task's own components (default 1;
-                                    reward_weights overrides)
+    WEIGHTS = {"numbers_valid": 0}  weights of its components (default: correct 1, format 0.1,
+                                    any other 1; reward_weights overrides)
     COLUMNS = {"question": "prompt"}  dataset columns to rename before a row becomes a problem
     check(problem)                  raise ValueError saying what a dataset row lacks (named with
                                     its line)
@@ -65,7 +65,7 @@ The reward is then TRL's: the weighted sum of the functions' scores (a list, num
 a None, NaN or inf left out (TRL's nansum); each function is logged as reward/<its name>. A
 completion every function leaves out is left out of its group's baseline with advantage 0, and of
 the logged reward, as TRL's nanmean does, and counted in reward/unscored (tested against TRL's own
-GRPOTrainer). correct_weight does not apply (the functions' weights do).
+GRPOTrainer). "correct" weighs nothing there (the functions' weights do).
 
 The reward runs in a forked child process under a deadline (reward_timeout; scoring.py, one call
 from score()): a reward that raises or hangs scores 0 and is counted in reward/errors.
@@ -271,12 +271,10 @@ def reward_funcs_extras(module, path, cfg):
                           f"functions {names}")
     unknown = sorted(set(cfg.component_weights) - set(names))
     if unknown:
+        hint = (f"; correct is {correct}'s score, weigh that function" if "correct" in unknown
+                and correct else "")
         raise ConfigError(f"reward_weights={cfg.reward_weights!r} names {unknown}, not reward "
-                          f"functions of {path}: {names}")
-    if cfg.correct_weight != Config.correct_weight:
-        raise ConfigError(f"correct_weight={cfg.correct_weight}: {path}'s reward is its "
-                          "reward_funcs' weighted sum; weigh the function itself, e.g. "
-                          f"--reward_weights={correct or names[0]}:{cfg.correct_weight}")
+                          f"functions of {path}: {names}{hint}")
     # "unscored" is logged, never rewarded: such a completion scores 0, as in TRL
     return {"reward_funcs": list(funcs), "reward_names": names, "correct": correct,
             "weights": {**dict(zip(names, map(float, weights))), "unscored": 0.0}}
@@ -414,7 +412,7 @@ def reward_shaping(task, cfg):
     """score_batch's weights and shaping (W2, W3) for this task."""
     weights = {**task.weights, **cfg.component_weights}
     if task.reward_funcs:  # "correct" only copies the CORRECT function's score, already weighed
-        return weights, {**cfg.shaping, "correct_weight": 0.0}
+        weights["correct"] = 0.0
     return weights, cfg.shaping
 
 

@@ -14,7 +14,7 @@ eval_every = 25
 task = "countdown"  # D1: 3-4 numbers in 1..99, targets in 1..100
 train_size = 10000
 test_size = 200
-unparsed_penalty = 0.0  # W2: format_weight alone rewards the layout here
+unparsed_penalty = 0.0  # W2: the format component alone rewards the layout here
 
 group_size = 8  # R3
 batch_size = 256  # 32 prompts x 8 completions per optimizer step

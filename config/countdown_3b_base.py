@@ -18,9 +18,9 @@ task = "countdown_base"  # D1: the instruct run's problems and reward, TinyZero'
 train_size = 10000
 test_size = 200
 unparsed_penalty = 0.0  # W2: TinyZero: 0 without an answer, 0.1 for a wrong one, 1 for a right one
-# W2: with format_weight 0 below, a parsed but wrong equation scores 0.1, as TinyZero's
+# W2: with the format weight 0 below, a parsed but wrong equation scores 0.1, as TinyZero's
 wrong_penalty = 0.1
-format_weight = 0.0  # W2: TinyZero's reward has no separate layout term
+reward_weights = "format:0"  # W2: TinyZero's reward has no separate layout term
 
 group_size = 8  # R3
 batch_size = 256  # 32 prompts x 8 completions per optimizer step

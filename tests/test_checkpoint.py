@@ -137,7 +137,10 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
     changed = load_config(overrides=["--adv_clip=2", "--micro_batch_tokens=512"])
     assert changed_settings(changed, saved) == [("adv_clip", 0.0, 2.0)]
     # a deleted setting saved off its old default is named with what stands for it; at it, not
-    assert changed_settings(load_config(), {**saved, "is_seq_cap": 3.0, "kl_up": 1.2}) == []
+    assert changed_settings(load_config(), {**saved, "is_seq_cap": 3.0, "kl_up": 1.2,
+                                            "format_weight": 0.1}) == []
+    assert changed_settings(load_config(), {**saved, "format_weight": 0.2}) == [
+        ("format_weight", 0.2, "deleted: " + config.DELETED["format_weight"][1])]
     # an older sequence-level run's cap (is_seq_cap, default 3) is is_cap's now (default 2)
     sequence = json.loads(json.dumps(dataclasses.asdict(load_config(
         overrides=["--is_correction=sequence"]))))

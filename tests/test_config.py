@@ -80,8 +80,7 @@ def test_defaults_load_and_derive():
     assert high.clip_eps_high == 0.28 and clip_grad(high) == pytest.approx(-1.25)
     cfg = load_config(overrides=["--wrong_penalty=-0.1", "--reward_weights=brief:0.5, style:0",
                                  "--data_columns=question:prompt"])
-    assert (cfg.shaping["wrong_penalty"] == -0.1 and cfg.shaping["format_weight"] == 0.1
-            and set(cfg.shaping) == set(config.REWARD_KEYS))
+    assert cfg.shaping["wrong_penalty"] == -0.1 and set(cfg.shaping) == set(config.REWARD_KEYS)
     assert (cfg.component_weights == {"brief": 0.5, "style": 0.0}
             and cfg.data_column_map == {"question": "prompt"})
 
@@ -217,6 +216,7 @@ def test_unknown_keys_name_the_closest_valid_key(tmp_path):
         ("--adam_betas=0.9,fast", "must hold float items"),
         ("--reward_weights=brief", "must look like key:value"),
         ("--reward_weights=brief:much", "brief:much is not a number"),
+        ("--reward_weights=parsed:1", "parsed has no weight; it picks wrong_penalty"),
         ("--data_columns=question", "must look like key:value"),
         ("group_size=4", "must look like --key=value"),
     ],

@@ -349,7 +349,7 @@ def test_every_loop_toggle_runs_and_shows_its_effect(tmp_path):
                "--curriculum=true", "--curriculum_ramp_steps=2",  # D2
                "--entropy_coef=1e-3", "--clip_eps_high=0.28",  # L5, L1
                "--gradient_checkpointing=true", "--dtype=bfloat16",  # O5
-               "--length_soft_limit=8", "--format_weight=0.2"])  # W2, W3
+               "--length_soft_limit=8", "--reward_weights=format:0.2"])  # W2, W3
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(metrics) == 6 and all(math.isfinite(m["loss"]) for m in metrics)
     for m in metrics:

@@ -394,6 +394,10 @@ def test_shape_reward_weighs_the_tasks_own_components():
     c = {"correct": 1.0, "format": 0.0, "brief": 1.0, "style": 0.5}
     assert shape_reward(c, 10) == pytest.approx(1.0 + 1.0 + 0.5)
     assert shape_reward(c, 10, weights={"brief": 0.2, "style": 0.0}) == pytest.approx(1.2)
+    # the verifiers' own components are weighed the same way (correct 1, format 0.1 by default)
+    c = {"correct": 1.0, "format": 1.0, "parsed": 1.0}
+    assert shape_reward(c, 10) == pytest.approx(1.1)
+    assert shape_reward(c, 10, weights={"format": 0.5, "correct": 2.0}) == pytest.approx(2.5)
     # no "parsed": no penalty
     assert shape_reward({"score": 0.7}, 10, unparsed_penalty=-0.5) == pytest.approx(0.7)
     assert shape_reward({"score": 0.7}, 200, length_soft_limit=100,
@@ -404,7 +408,7 @@ def test_score_batch():
     right = {"format": 1.0, "parsed": 1.0, "correct": 1.0}
     wrong = {"format": 1.0, "parsed": 1.0, "correct": 0.0}
     results = [{**right, "numbers_valid": 1.0}, wrong, "error", "timeout", {"correct": 1.0}]
-    rewards, comps = score_batch(results, [10] * 5, {"numbers_valid": 0.0}, format_weight=0.2,
+    rewards, comps = score_batch(results, [10] * 5, {"numbers_valid": 0.0, "format": 0.2},
                                  wrong_penalty=-0.1)
     # a failed reward scores exactly 0
     assert rewards.tolist() == pytest.approx([1.2, 0.1, 0.0, 0.0, 1.0])

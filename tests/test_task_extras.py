@@ -154,8 +154,7 @@ def test_unscored_completions_and_array_scores_as_trls_own_trainer_treats_them(t
     task = SimpleNamespace(correct="accuracy_reward")
     rows = scoring.reward_rows(task, (8, {"accuracy_reward": first, "other": second}))
     assert [r["unscored"] for r in rows] == [0, 1, 1, 0, 0, 1, 0, 0]
-    rewards, _ = score_batch(rows, [1] * 8, {"unscored": 0.0}, correct_weight=0.0,
-                             format_weight=0.0)
+    rewards, _ = score_batch(rows, [1] * 8, {"unscored": 0.0, "correct": 0.0})
     ours = group_advantages(rewards, 4)
     assert ours.tolist() == pytest.approx(trl["advantages"].tolist(), abs=1e-3)
     assert ours[:4].tolist() == pytest.approx([0.7071, 0, 0, -0.7071], abs=1e-4)
@@ -233,9 +232,9 @@ def test_reward_functions_checked_before_the_run(tmp_path):
             setup(f"--task={bad}")
     with pytest.raises(ConfigError, match="names \\['brevty'\\], not reward functions"):
         setup(f"--task={path}", "--reward_weights=brevty:2")
-    with pytest.raises(ConfigError, match="weigh the function itself, e.g. "
-                       "--reward_weights=accuracy_reward:2"):
-        setup(f"--task={path}", "--correct_weight=2")
+    with pytest.raises(ConfigError, match="names \\['correct'\\], not reward functions.*; "
+                       "correct is accuracy_reward's score, weigh that function"):
+        setup(f"--task={path}", "--reward_weights=correct:2")
     # CORRECT picks another function; "" none
     for value, correct in (("'brevity'", "brevity"), ("''", "")):
         named = tmp_path / f"correct_{correct}.py"
