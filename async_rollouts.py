@@ -107,7 +107,7 @@ class AsyncRollouts:
     def push(self, policy, version):
         """R2 in this mode: the weights after `version` updates, from every rank (FSDP gathers
         them) into rank 0's shared ring."""
-        tensors = [t.detach() for _, t in push_weights_iter(policy, self.cfg.push_bucket_mb)]
+        tensors = [t.detach() for _, t in push_weights_iter(policy)]
         if parallel.rank() == 0:
             self.push_tensors([t.float().cpu() for t in tensors], version)
 

@@ -302,10 +302,10 @@ FREE_SETTINGS = (
     "keep_checkpoints",
     # what is measured and logged (M1, M2, W6)
     "eval_every", "eval_n", "eval_in_run_sampled", "eval_tasks", "test_size", "sample_every",
-    "sample_groups", "wandb_project", "tensorboard", "max_nonfinite",
+    "sample_groups", "wandb_project", "tensorboard",
     # the machine and the engine: the same numbers, computed elsewhere or faster (R1, O3, O5, L6)
     "engine", "device", "dtype", "parallel", "vllm_tensor_parallel", "device_memory_gb",
-    "gpu_memory_utilization", "vllm_cpu_kv_cache_gb", "vllm_sleep_level", "push_bucket_mb",
+    "gpu_memory_utilization", "vllm_cpu_kv_cache_gb", "vllm_sleep_level",
     "micro_batch_tokens", "shared_prompt", "skip_zero_gradient", "tail_runs", "fused_logprobs",
     "chunked_logprobs", "gradient_checkpointing", "ref_offload",
     # the guards around outside code: deadlines, workers, the sandbox, the prompt's bound

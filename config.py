@@ -45,7 +45,6 @@ class Config:
     eval_tasks: str = ""  # M2: more eval sets, e.g. "gsm8k_test.jsonl,tasks/larger.py"; "" = none
     sample_every: int = 10  # W6: dump whole groups to out_dir/samples.jsonl every N steps; 0 = off
     sample_groups: int = 2  # W6: groups per dump
-    max_nonfinite: int = 5  # L6: stop after N steps in a row skipped (non-finite loss or grad norm)
     wandb_project: str = ""  # M1: log to this wandb project too; "" = off
     tensorboard: bool = False  # M1: also write tensorboard events to out_dir/tb
 
@@ -98,7 +97,6 @@ class Config:
     gpu_memory_utilization: float = 0.4  # R1: vLLM's share of the GPU (0.3-0.5)
     vllm_cpu_kv_cache_gb: int = 1  # R1: KV cache of vLLM on a CPU (VLLM_CPU_KVCACHE_SPACE), GiB
     vllm_sleep_level: int = 2  # R1: GPU sleep: 1 offloads weights to CPU, 2 drops them; 0 = none
-    push_bucket_mb: int = 256  # R2: weights go to vLLM in gathered buckets of this many MB
     is_correction: str = "off"  # R2: weight pi_old / q (q: sampler): "token" | "sequence" | "off"
     is_mode: str = "truncate"  # R2: over the cap: cut to it ("truncate", TIS) or dropped ("mask")
     is_cap: float = 2.0  # R2: cap on rho, a token's or a completion's (TRL's clip_max: 3 for both)
@@ -216,6 +214,9 @@ DELETED = {
                            "(default 0.1)"),
     "correct_weight": (1.0, "the correct component's weight is --reward_weights=correct:W "
                             "(default 1)"),
+    "max_nonfinite": (5, "a run stops after 5 skipped updates in a row (grpo.MAX_NONFINITE)"),
+    "push_bucket_mb": (256, "weights go to vLLM in buckets of 256 MB (model.push_weights_iter's "
+                            "bucket_mb)"),
 }
 CHOICES = {
     "adv_scale": ("group", "batch", "none"), "adv_baseline": ("mean", "leave-one-out"),
@@ -610,8 +611,8 @@ def validate(cfg):
                                                   "beta > 0 (e.g. 0.001) or adaptive_kl=False")
     need(cfg.kl_low < cfg.kl_high, f"kl_low={cfg.kl_low} must be below kl_high={cfg.kl_high} (F2)")
     for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations",
-                 "mini_batches", "kl_window", "train_size", "eval_n", "max_nonfinite",
-                 "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha", "push_bucket_mb",
+                 "mini_batches", "kl_window", "train_size", "eval_n",
+                 "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha",
                  "test_size", "max_tool_calls", "tool_output_chars"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
     for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay",

@@ -94,14 +94,14 @@ def evaluate_in_run(engine, eval_sets, cfg, step):
 
 def wake_and_evaluate(engine, policy, eval_sets, cfg):
     """M2 on the policy as it is now: pushed into the engine, every eval set; their metrics."""
-    engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
+    engine.wake(push_weights_iter(policy))
     return evaluate_all(engine, eval_sets, cfg)[0]
 
 
 def eval_only(cfg, engine, policy, eval_sets):
     """M2 on the weights as they are (the model, or init_from): a table of every eval set; all of
     it, with a few examples to read, appended to eval.jsonl."""
-    engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))
+    engine.wake(push_weights_iter(policy))
     metrics, texts = evaluate_all(engine, eval_sets, cfg)
     results = {"weights": cfg.init_from or cfg.model, **metrics}
     for split in eval_sets:

@@ -596,17 +596,20 @@ def add_token_weighted(sums, metrics):
         sums[k] = sums.get(k, 0.0) + (v if count else v * metrics["num_tokens"])
 
 
+MAX_NONFINITE = 5  # L6: skipped updates in a row that stop the run
+
+
 def count_nonfinite(stepped, state, cfg, loss, grad_norm):
-    """L6: 1 if the step was skipped (non-finite loss or grad norm), else 0; too many in a row
-    stop the run."""
+    """L6: 1 if the step was skipped (non-finite loss or grad norm), else 0; MAX_NONFINITE in a
+    row stop the run."""
     state.nonfinite_in_a_row = 0 if stepped else state.nonfinite_in_a_row + 1
     if stepped:
         return 0
     print(f"step {state.step}: non-finite loss {loss} or grad norm {grad_norm.item()}; "
           "update skipped")
-    if state.nonfinite_in_a_row >= cfg.max_nonfinite:  # else the run goes on with a broken model
+    if state.nonfinite_in_a_row >= MAX_NONFINITE:  # else the run goes on with a broken model
         raise diverged(cfg, f"step {state.step}: {state.nonfinite_in_a_row} non-finite updates in "
-                            "a row (max_nonfinite)")
+                            "a row")
     return 1
 
 
@@ -690,7 +693,7 @@ def main(argv, wrap_engine=lambda engine: engine):
         else:
             # ---- wake the engine, push the policy into it (R1, R2); eval every eval_every steps
             with timed(times, "time/push"):
-                engine.wake(push_weights_iter(policy, cfg.push_bucket_mb))  # weights, push, KV
+                engine.wake(push_weights_iter(policy))  # weights, push, KV
             memory["mem/after_wake_gb"] = memory_gb()
             evals = {}
             if eval_is_due(cfg, step):  # M2: every eval_every steps, before the update

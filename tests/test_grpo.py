@@ -419,12 +419,13 @@ def test_a_learning_rate_that_destroys_the_model_stops_the_run_saying_so(tmp_pat
     assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [0]  # what it did, kept
 
 
-def test_non_finite_updates_in_a_row_stop_the_run_naming_lr():
-    """max_nonfinite skipped updates in a row: the run stops (it went on with a broken model)."""
-    cfg = config.load_config(overrides=["--max_nonfinite=2", "--lr=1e-3"])
+def test_non_finite_updates_in_a_row_stop_the_run_naming_lr(monkeypatch):
+    """MAX_NONFINITE skipped updates in a row: the run stops (it went on with a broken model)."""
+    monkeypatch.setattr(grpo, "MAX_NONFINITE", 2)
+    cfg = config.load_config(overrides=["--lr=1e-3"])
     state = SimpleNamespace(step=7, nonfinite_in_a_row=0)
     assert grpo.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(1.0)) == 1
-    with pytest.raises(log.Diverged, match=r"step 7: 2 non-finite updates in a row .* lr=0.001"):
+    with pytest.raises(log.Diverged, match=r"step 7: 2 non-finite updates in a row: .* lr=0.001"):
         grpo.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(float("inf")))
     assert grpo.count_nonfinite(True, state, cfg, 0.5, torch.tensor(1.0)) == 0
     assert state.nonfinite_in_a_row == 0
