@@ -27,9 +27,11 @@ from config import (
     Config,
     ConfigError,
     declared_options,
+    pairs,
     save_config,
     saved_task_options,
     task_path,
+    upgrade,
 )
 
 
@@ -313,23 +315,21 @@ FREE_SETTINGS = (
 )
 RUN_SETTINGS = tuple(f.name for f in dataclasses.fields(Config)
                      if f.init and f.name not in FREE_SETTINGS)
-# deleted settings (config.DELETED) that changed what a run learns: a checkpoint saved with one off
-# the default it had would go on as another run now (is_seq_cap, whose cap is is_cap's now, is
-# compared as is_cap: changed_settings)
-DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "kl_up", "kl_down", "length_penalty_tokens",
-                        "format_weight", "correct_weight")
+# deleted settings (config.DELETED) that changed what a run learns and no setting holds now: a
+# checkpoint saved with one off the default it had would go on as another run (the others are
+# compared as the setting that holds them: config.upgrade)
+DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "kl_up", "kl_down", "length_penalty_tokens")
 
 
 def changed_settings(cfg, saved):
     """[(name, saved value, value now)] for each of RUN_SETTINGS and the task's options where
     `saved` (save_config's JSON) differs from cfg; two paths to one file or folder (./tasks/x.py,
-    tasks/x.py) are the same. A deleted setting saved off its old default counts too, its value now
-    being what replaces it."""
+    tasks/x.py) are the same, as are reward weights in another order. A deleted setting saved off
+    its old default counts too, as the setting that holds it now or as deleted."""
     now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples become the lists the JSON holds
-    if "is_seq_cap" in saved and saved.get("is_correction") == "sequence":  # an older run's cap
-        saved = {**saved, "is_cap": saved["is_seq_cap"]}  # on a completion's rho: is_cap's now
+    saved = upgrade(saved)
     changed = [(k, saved[k], now[k]) for k in RUN_SETTINGS
-               if k in saved and saved[k] != now[k] and not same_file(saved[k], now[k])]
+               if k in saved and not same_value(k, saved[k], now[k])]
     # the task file's options, all the run's (an eval set's are free, as eval_tasks is)
     options, now_options = saved_task_options(saved, now["task_options"]), now["task_options"]
     changed += [(k, options[k], now_options[k]) for k in declared_options(task_path(cfg.task))
@@ -339,6 +339,14 @@ def changed_settings(cfg, saved):
         if k in saved and saved[k] != default:
             changed.append((k, saved[k], f"deleted: {instead}"))
     return changed
+
+
+def same_value(name, a, b):
+    """A saved setting equals today's: the same value, two paths to one file, the same weights."""
+    if name == "reward_weights":
+        return {k: float(v) for k, v in pairs(name, a).items()} == {
+            k: float(v) for k, v in pairs(name, b).items()}
+    return a == b or same_file(a, b)
 
 
 def same_file(a, b):

@@ -58,8 +58,7 @@ class Config:
     test_size: int = 60  # held-out problems for eval (M2); the splits never overlap (data/split.py)
     # a task's own settings (countdown_numbers, math_kinds, ...): its file's OPTIONS, task_options
     curriculum: bool = False  # D2: easy:medium:hard 1:2:3 by pass rate; False = shuffled epochs
-    curriculum_easy_above: float = 0.8  # D2: pass rate above this is easy
-    curriculum_hard_below: float = 0.2  # D2: pass rate below this is hard
+    curriculum_bands: tuple = (0.2, 0.8)  # D2: (hard below, easy above) pass rates
     curriculum_ramp_steps: int = 100  # D2: steps over which the hard share ramps up to its weight
 
     # ---- rewards (W2, W3) ----
@@ -150,8 +149,7 @@ class Config:
     # ---- adaptive KL (F2) ----
     adaptive_kl: bool = False  # F2: every kl_window steps, scale beta by the mean KL; False = fixed
     kl_window: int = 20  # F2: steps between beta updates
-    kl_high: float = 0.08  # F2: mean KL above this multiplies beta by 1.2 (loss.adaptive_kl_beta)
-    kl_low: float = 0.01  # F2: mean KL below this multiplies beta by 0.8
+    kl_band: tuple = (0.01, 0.08)  # F2: mean KL below the band: beta x 0.8, above: x 1.2
 
     # ---- optimisation (O1, O2, O5) ----
     lr: float = 3e-5  # O1: peak AdamW lr (5e-7..1e-6 for 3B full fine-tuning; 135M takes far more)
@@ -214,6 +212,12 @@ DELETED = {
                            "(default 0.1)"),
     "correct_weight": (1.0, "the correct component's weight is --reward_weights=correct:W "
                             "(default 1)"),
+    "kl_low": (0.01, "kl_band=(low, high) holds both, e.g. --kl_band=0.01,0.08"),
+    "kl_high": (0.08, "kl_band=(low, high) holds both, e.g. --kl_band=0.01,0.08"),
+    "curriculum_hard_below": (0.2, "curriculum_bands=(hard below, easy above) holds both, e.g. "
+                                   "--curriculum_bands=0.2,0.8"),
+    "curriculum_easy_above": (0.8, "curriculum_bands=(hard below, easy above) holds both, e.g. "
+                                   "--curriculum_bands=0.2,0.8"),
     "max_nonfinite": (5, "a run stops after 5 skipped updates in a row (grpo.MAX_NONFINITE)"),
     "push_bucket_mb": (256, "weights go to vLLM in buckets of 256 MB (model.push_weights_iter's "
                             "bucket_mb)"),
@@ -511,10 +515,32 @@ def save_config(cfg, path):
         json.dump(dataclasses.asdict(cfg), f, indent=2)
 
 
+# deleted settings that another holds now: an older run's saved values move there (upgrade)
+MERGED = {"kl_band": ("kl_low", "kl_high"),
+          "curriculum_bands": ("curriculum_hard_below", "curriculum_easy_above")}
+
+
+def upgrade(saved):
+    """A config an older version saved (save_config's JSON) in today's settings: a deleted
+    setting's value, off its old default, moves to the setting that holds it now."""
+    saved = dict(saved)
+    if "is_seq_cap" in saved and saved.get("is_correction") == "sequence":  # a completion's rho
+        saved["is_cap"] = saved["is_seq_cap"]  # is capped by is_cap now
+    moved = {k.removesuffix("_weight"): saved[k] for k in ("correct_weight", "format_weight")
+             if k in saved and saved[k] != DELETED[k][0]}
+    if moved:  # they win: reward_weights could not weigh correct or format then
+        weights = {**pairs("reward_weights", saved.get("reward_weights", "")), **moved}
+        saved["reward_weights"] = ",".join(f"{k}:{v}" for k, v in weights.items())
+    for now, (low, high) in MERGED.items():
+        if low in saved:
+            saved[now] = [saved[low], saved[high]]
+    return saved
+
+
 def load_saved(path):
     """The Config a run saved with save_config (e.g. out/run/config.json), derived again."""
     with open(path) as f:
-        saved = json.load(f)
+        saved = upgrade(json.load(f))
     cfg = Config()
     for f in dataclasses.fields(Config):
         # a dict under a settable name is an older version's derived value
@@ -589,8 +615,9 @@ def validate(cfg):
     need(len(betas) == 2, f"adam_betas={betas} must be two numbers, e.g. 0.9,0.99")
     need(all(0 <= b < 1 for b in betas),
          f"adam_betas={betas}: each must be in [0, 1), e.g. 0.9,0.99 (AdamW's decay rates)")
-    need(0 <= cfg.curriculum_hard_below <= cfg.curriculum_easy_above <= 1,
-         "need 0 <= curriculum_hard_below <= curriculum_easy_above <= 1 (D2)")
+    need(len(cfg.curriculum_bands) == 2 and 0 <= cfg.curriculum_bands[0] <= cfg.curriculum_bands[1]
+         <= 1, f"curriculum_bands={cfg.curriculum_bands} must be two pass rates, hard below the "
+               "first, easy above the second, 0 <= first <= second <= 1, e.g. 0.2,0.8 (D2)")
     need(0 < cfg.clip_eps < 1, f"clip_eps={cfg.clip_eps} must be in (0, 1); 0.2 is standard (L1)")
     need(not cfg.clip_eps_high or cfg.clip_eps <= cfg.clip_eps_high < 10,
          f"clip_eps_high={cfg.clip_eps_high} must be >= clip_eps={cfg.clip_eps} (or 0 = same)")
@@ -609,7 +636,8 @@ def validate(cfg):
          f"beta={cfg.beta} must be in [0, 1]; 0.001-0.04 is usual, 0 drops the reference (L4)")
     need(not (cfg.adaptive_kl and cfg.beta == 0), "adaptive_kl=True scales beta, but beta=0; set "
                                                   "beta > 0 (e.g. 0.001) or adaptive_kl=False")
-    need(cfg.kl_low < cfg.kl_high, f"kl_low={cfg.kl_low} must be below kl_high={cfg.kl_high} (F2)")
+    need(len(cfg.kl_band) == 2 and 0 <= cfg.kl_band[0] < cfg.kl_band[1],
+         f"kl_band={cfg.kl_band} must be two KLs, the first below the second, e.g. 0.01,0.08 (F2)")
     for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations",
                  "mini_batches", "kl_window", "train_size", "eval_n",
                  "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha",

@@ -620,7 +620,8 @@ def adapt_beta(state, kl, cfg):
     state.kl_history.append(kl)
     if len(state.kl_history) >= cfg.kl_window:
         mean_kl = sum(state.kl_history) / len(state.kl_history)
-        state.beta = adaptive_kl_beta(state.beta, mean_kl, high=cfg.kl_high, low=cfg.kl_low)
+        state.beta = adaptive_kl_beta(state.beta, mean_kl, low=cfg.kl_band[0],
+                                      high=cfg.kl_band[1])
         state.kl_history = []
 
 

@@ -126,9 +126,9 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
                "warmup_steps", "min_lr_ratio", "weight_decay", "adam_betas", "grad_clip",
                "dynamic_sampling", "dynamic_sampling_rounds", "mask_truncated", "is_correction",
                "is_mode", "is_cap", "is_floor", "old_logprobs", "async_rollouts", "max_staleness",
-               "tools", "max_turns", "env_reward", "adaptive_kl", "kl_window", "kl_high", "kl_low",
+               "tools", "max_turns", "env_reward", "adaptive_kl", "kl_window", "kl_band",
                "data_seed", "train_size", "data_name", "data_columns", "curriculum",
-               "curriculum_easy_above", "curriculum_hard_below", "curriculum_ramp_steps",
+               "curriculum_bands", "curriculum_ramp_steps",
                "temperature_end", "ref_refresh_steps", "lora_alpha"}
     assert set(checkpoint.DELETED_RUN_SETTINGS) <= set(config.DELETED)
     assert learned <= set(RUN_SETTINGS), learned - set(RUN_SETTINGS)
@@ -139,8 +139,14 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
     # a deleted setting saved off its old default is named with what stands for it; at it, not
     assert changed_settings(load_config(), {**saved, "is_seq_cap": 3.0, "kl_up": 1.2,
                                             "format_weight": 0.1}) == []
+    # one held by another setting now is compared as that setting (config.upgrade)
     assert changed_settings(load_config(), {**saved, "format_weight": 0.2}) == [
-        ("format_weight", 0.2, "deleted: " + config.DELETED["format_weight"][1])]
+        ("reward_weights", "format:0.2", "")]
+    assert changed_settings(load_config(overrides=["--reward_weights=format:0.20"]),
+                            {**saved, "format_weight": 0.2}) == []
+    assert changed_settings(load_config(overrides=["--kl_band=0.01,0.1"]),
+                            {**saved, "kl_low": 0.01, "kl_high": 0.08}) == [
+        ("kl_band", [0.01, 0.08], [0.01, 0.1])]
     # an older sequence-level run's cap (is_seq_cap, default 3) is is_cap's now (default 2)
     sequence = json.loads(json.dumps(dataclasses.asdict(load_config(
         overrides=["--is_correction=sequence"]))))

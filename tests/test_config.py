@@ -188,6 +188,35 @@ def test_the_task_options_are_saved_and_loaded_again(tmp_path):
     assert load_saved(tmp_path / "config.json").task_options == cfg.task_options
 
 
+def test_an_older_config_is_read_in_todays_settings(tmp_path):
+    """A deleted setting that another holds now (config.MERGED, the reward weights, the sequence
+    cap) is read into it: an older run's audit and resume see the run it was."""
+    saved = json.loads(json.dumps(dataclasses.asdict(load_config(overrides=[
+        "--reward_weights=numbers_valid:0.5", "--is_correction=sequence"]))))
+    for name in ("kl_band", "curriculum_bands", "is_cap"):
+        saved.pop(name)
+    saved.update(kl_low=0.02, kl_high=0.1, curriculum_hard_below=0.3, curriculum_easy_above=0.9,
+                 format_weight=0.3, correct_weight=1.0, is_seq_cap=4.0)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    cfg = load_saved(tmp_path / "config.json")
+    assert cfg.kl_band == (0.02, 0.1) and cfg.curriculum_bands == (0.3, 0.9) and cfg.is_cap == 4.0
+    # the format weight moved; correct's, at its old default, stays out (the default is the same)
+    assert cfg.component_weights == {"numbers_valid": 0.5, "format": 0.3}
+    assert config.upgrade({"format_weight": 0.1, "kl_up": 1.2}) == {"format_weight": 0.1,
+                                                                     "kl_up": 1.2}
+
+
+@pytest.mark.parametrize("override, match", [
+    ("--kl_band=0.08,0.01", "kl_band=.* the first below the second"),
+    ("--kl_band=0.01", "kl_band=.* must be two KLs"),
+    ("--curriculum_bands=0.8,0.2", "curriculum_bands=.* 0 <= first <= second <= 1"),
+    ("--curriculum_bands=0.2,1.5", "curriculum_bands=.* must be two pass rates"),
+])
+def test_a_band_is_two_ordered_numbers(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[override])
+
+
 @pytest.mark.parametrize(
     "text, value",
     [("true", True), ("False", False), ("1", True), ("no", False)],

@@ -343,7 +343,7 @@ def test_every_loop_toggle_runs_and_shows_its_effect(tmp_path):
                "--max_steps=6", "--num_iterations=2",  # L7: a second epoch sees ratios != 1
                "--temperature=1.0", "--temperature_end=0.5",  # R4
                # F2: KL > high -> x 1.2
-               "--beta=0.01", "--adaptive_kl=true", "--kl_window=2", "--kl_high=1e-9", "--kl_low=0",
+               "--beta=0.01", "--adaptive_kl=true", "--kl_window=2", "--kl_band=0,1e-9",
                "--ref_offload=true", "--ref_refresh_steps=3",  # F1
                "--dynamic_sampling=true", "--mask_truncated=true",  # R7, R6
                "--curriculum=true", "--curriculum_ramp_steps=2",  # D2
