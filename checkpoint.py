@@ -27,7 +27,7 @@ from config import (
     Config,
     ConfigError,
     declared_options,
-    pairs,
+    reward_weights,
     save_config,
     saved_task_options,
     task_path,
@@ -344,8 +344,7 @@ def changed_settings(cfg, saved):
 def same_value(name, a, b):
     """A saved setting equals today's: the same value, two paths to one file, the same weights."""
     if name == "reward_weights":
-        return {k: float(v) for k, v in pairs(name, a).items()} == {
-            k: float(v) for k, v in pairs(name, b).items()}
+        return reward_weights(a) == reward_weights(b)
     return a == b or same_file(a, b)
 
 

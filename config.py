@@ -248,8 +248,7 @@ def derive(cfg):
     """Compute the derived values, once, right after loading."""
     cfg.prompts_per_step = cfg.batch_size // cfg.group_size
     cfg.shaping = {k: getattr(cfg, k) for k in REWARD_KEYS}
-    weights = pairs("reward_weights", cfg.reward_weights)
-    cfg.component_weights = {k: float(v) for k, v in weights.items()}
+    cfg.component_weights = reward_weights(cfg.reward_weights)
     cfg.data_column_map = pairs("data_columns", cfg.data_columns)
     if cfg.dtype == "auto":  # O5: resolved once here: the engine, the trainer and pre-flight agree
         cfg.dtype = "bfloat16" if on_gpu(cfg) or cpu_bf16(cfg) else "float32"
@@ -264,15 +263,21 @@ def pairs(name, text):
         if not sep or not key.strip() or not value.strip():
             raise ConfigError(f"{name}={text!r} must look like key:value,key:value")
         out[key.strip()] = value.strip()
-    if name == "reward_weights":
-        for key, value in out.items():
-            try:
-                float(value)
-            except ValueError:
-                raise ConfigError(f"reward_weights: {key}:{value} is not a number") from None
-        if "parsed" in out:
-            raise ConfigError("reward_weights: parsed has no weight; it picks wrong_penalty (a "
-                              "parsed, wrong answer) or unparsed_penalty: set those")
+    return out
+
+
+def reward_weights(text):
+    """reward_weights' 'name:w,...' as {name: float}, each a number and a component's weight."""
+    weights = pairs("reward_weights", text)
+    if "parsed" in weights:
+        raise ConfigError("reward_weights: parsed has no weight; it picks wrong_penalty (a "
+                          "parsed, wrong answer) or unparsed_penalty: set those")
+    out = {}
+    for key, value in weights.items():
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"reward_weights: {key}:{value} is not a number") from None
     return out
 
 
@@ -522,14 +527,16 @@ MERGED = {"kl_band": ("kl_low", "kl_high"),
 
 def upgrade(saved):
     """A config an older version saved (save_config's JSON) in today's settings: a deleted
-    setting's value, off its old default, moves to the setting that holds it now."""
+    setting's value moves to the setting that holds it now (a weight only off its old default,
+    which is today's)."""
     saved = dict(saved)
     if "is_seq_cap" in saved and saved.get("is_correction") == "sequence":  # a completion's rho
         saved["is_cap"] = saved["is_seq_cap"]  # is capped by is_cap now
-    moved = {k.removesuffix("_weight"): saved[k] for k in ("correct_weight", "format_weight")
-             if k in saved and saved[k] != DELETED[k][0]}
-    if moved:  # they win: reward_weights could not weigh correct or format then
-        weights = {**pairs("reward_weights", saved.get("reward_weights", "")), **moved}
+    if "format_weight" in saved or "correct_weight" in saved:  # its reward_weights ignored these
+        weights = {k: v for k, v in pairs("reward_weights", saved.get("reward_weights", "")).items()
+                   if k not in ("correct", "format", "parsed")}
+        weights.update({k.removesuffix("_weight"): saved[k] for k in ("correct_weight",
+                        "format_weight") if k in saved and saved[k] != DELETED[k][0]})
         saved["reward_weights"] = ",".join(f"{k}:{v}" for k, v in weights.items())
     for now, (low, high) in MERGED.items():
         if low in saved:
@@ -636,7 +643,7 @@ def validate(cfg):
          f"beta={cfg.beta} must be in [0, 1]; 0.001-0.04 is usual, 0 drops the reference (L4)")
     need(not (cfg.adaptive_kl and cfg.beta == 0), "adaptive_kl=True scales beta, but beta=0; set "
                                                   "beta > 0 (e.g. 0.001) or adaptive_kl=False")
-    need(len(cfg.kl_band) == 2 and 0 <= cfg.kl_band[0] < cfg.kl_band[1],
+    need(len(cfg.kl_band) == 2 and cfg.kl_band[0] < cfg.kl_band[1],
          f"kl_band={cfg.kl_band} must be two KLs, the first below the second, e.g. 0.01,0.08 (F2)")
     for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations",
                  "mini_batches", "kl_window", "train_size", "eval_n",

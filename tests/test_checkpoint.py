@@ -144,6 +144,10 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
         ("reward_weights", "format:0.2", "")]
     assert changed_settings(load_config(overrides=["--reward_weights=format:0.20"]),
                             {**saved, "format_weight": 0.2}) == []
+    # an older reward_weights' format entry did nothing (format_weight weighed it): not the run's
+    assert changed_settings(load_config(overrides=["--reward_weights=format:0.5"]), {
+        **saved, "format_weight": 0.1, "reward_weights": "format:0.5,parsed:1"}) == [
+        ("reward_weights", "", "format:0.5")]
     assert changed_settings(load_config(overrides=["--kl_band=0.01,0.1"]),
                             {**saved, "kl_low": 0.01, "kl_high": 0.08}) == [
         ("kl_band", [0.01, 0.08], [0.01, 0.1])]

@@ -202,12 +202,15 @@ def test_an_older_config_is_read_in_todays_settings(tmp_path):
     assert cfg.kl_band == (0.02, 0.1) and cfg.curriculum_bands == (0.3, 0.9) and cfg.is_cap == 4.0
     # the format weight moved; correct's, at its old default, stays out (the default is the same)
     assert cfg.component_weights == {"numbers_valid": 0.5, "format": 0.3}
-    assert config.upgrade({"format_weight": 0.1, "kl_up": 1.2}) == {"format_weight": 0.1,
-                                                                     "kl_up": 1.2}
+    assert config.upgrade({"kl_up": 1.2}) == {"kl_up": 1.2}
+    # reward_weights could not weigh correct, format or parsed then: those entries had no effect
+    older = config.upgrade({"format_weight": 0.1, "reward_weights": "format:0.5,parsed:1,brief:2"})
+    assert older["reward_weights"] == "brief:2"
 
 
 @pytest.mark.parametrize("override, match", [
     ("--kl_band=0.08,0.01", "kl_band=.* the first below the second"),
+    ("--kl_band=0.01,0.01", "kl_band=.* the first below the second"),
     ("--kl_band=0.01", "kl_band=.* must be two KLs"),
     ("--curriculum_bands=0.8,0.2", "curriculum_bands=.* 0 <= first <= second <= 1"),
     ("--curriculum_bands=0.2,1.5", "curriculum_bands=.* must be two pass rates"),
