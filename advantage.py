@@ -39,10 +39,7 @@ def group_advantages(rewards, group_size, settings=AdvantageSettings(), *, batch
               "leave-one-out" (RLOO, Ahmadian et al. 2024) -> b_i = the mean of the other G - 1
               rewards; r_i - b_i = G / (G - 1) * (r_i - mean): GRPO's centred reward, scaled up
     scale:    "group" (A1, the GRPO paper's z-score) -> / max(std of the group's rewards,
-              std_floor). TRL divides by std + 1e-4 instead: for a 0/1 group of 4 with one success
-              the same to 2e-4 (1.5 here, 1.4997 there); the most they differ is at std =
-              std_floor, where TRL's is half this (1e-4 + 1e-4), and far below it they agree again
-              (both ~/ 1e-4).
+              std_floor) (A2; TRL's std + 1e-4 agrees to ~2e-4: the code says where).
               "batch" (TRL scale_rewards="batch") -> / max(std of every reward in the batch,
               std_floor): TRL's, the unbiased std of the whole batch's raw rewards over all
               processes (batch_sum), floored at std_floor where TRL adds 1e-4 to it. Not
@@ -81,6 +78,9 @@ def group_advantages(rewards, group_size, settings=AdvantageSettings(), *, batch
         adv = groups - (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
     if scale == "group":
         # A2: a floor rather than "+ eps", so a std of 1e-6 cannot blow a 1e-6 reward gap up to 1.
+        # TRL divides by std + 1e-4: for a 0/1 group of 4 with one success the same to 2e-4 (1.5
+        # here, 1.4997 there); they differ most at std = std_floor, where TRL's is half this
+        # (1e-4 + 1e-4), and far below it agree again (both ~/ 1e-4)
         adv = adv / std.clamp(min=std_floor)
     elif scale == "batch":
         # the std of the rewards, not of the centred r - b (those are smaller with a group baseline)

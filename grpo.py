@@ -17,6 +17,9 @@ Each step, as main() runs it, one named function a phase:
     adapt_beta           the KL weight follows the measured KL (F2)
     end_step             log (M1), the last step's eval (M2), checkpoint
 
+The ids in brackets (R1, L2, ...) are the rows of the README's Techniques table, each a setting in
+config.py.
+
 With async_rollouts (R8) a sampler process runs the first four, a batch ahead with weights an
 update older (async_rollouts.py); the trainer takes the batch and pushes its weights after each
 update.
@@ -91,13 +94,14 @@ def eval_is_due(cfg, step):
 
 @dataclass
 class Rollouts:
-    """Scored completions of whole groups, the G rows of a prompt contiguous. Fields are (N,)."""
+    """Scored completions of whole groups, the G rows of a prompt contiguous. Fields are (N,):
+    N = this rank's prompts x G."""
 
     problem: list  # index of each row's problem
     # rollout.Completion per row; empty in a gathered() copy (they stay on their rank)
     completions: list
     rewards: torch.Tensor  # shaped reward per row (W2, W3)
-    components: dict  # reward component name -> (N,) tensor
+    components: dict  # the reward's parts (correct, format, ...) -> (N,); shaped into rewards
     lengths: torch.Tensor  # completion tokens per row
     truncated: torch.Tensor  # 1.0 where the completion hit max_completion_len (R6)
     tool_calls: torch.Tensor  # tool calls per row (all 0 without tools)
@@ -223,19 +227,19 @@ def zero_gradient_rows(batch, cfg):
     return {i for i in range(len(batch)) if i // cfg.group_size not in busy}
 
 
-def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
+def collect_rollouts(engine, prompt_sampler, train, cfg, step, temperature, times):
     """Sample prompts, generate G completions each, score them, refill (R7), feed the curriculum
     (D2): (batch, drawn, rounds).
 
-    Every rank draws the same global prompts (same sampler, same seed) and keeps its contiguous
-    slice, so a group never straddles ranks. batch: this rank's rows to train on. drawn: every row
-    drawn on every rank, the first draw and the refills, before R7's filter: what the log and the
-    curriculum see.
+    Every rank draws the same global prompts (same prompt sampler, same seed) and keeps its
+    contiguous slice, so a group never straddles ranks. batch: this rank's rows to train on.
+    drawn: every row drawn on every rank, the first draw and the refills, before R7's filter: what
+    the log and the curriculum see.
     """
     G, world, rank = cfg.group_size, parallel.world(), parallel.rank()
     share = cfg.prompts_per_step // world  # prompts per rank, each with all its G completions
     t0 = time.perf_counter()
-    idx = parallel.my_slice(sampler.sample(cfg.prompts_per_step, step))
+    idx = parallel.my_slice(prompt_sampler.sample(cfg.prompts_per_step, step))
     seeds = sampling_seeds(cfg, step, rank * share, share)
     batch = generate_and_score(engine, train, idx, seeds, cfg, temperature)
     drawn = batch.gathered()
@@ -243,13 +247,13 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
     num_drawn = cfg.prompts_per_step
     if cfg.dynamic_sampling:  # R7: keep only groups with a reward spread; refill (rounds > 0)
         batch = batch.groups(informative_groups(batch.rewards, G), G)
-        # refill rounds follow the global minimum, so every rank draws from the sampler alike
+        # refill rounds follow the global minimum, so every rank draws the same prompts
         while rounds < cfg.dynamic_sampling_rounds:
             fewest = int(parallel.all_min(len(batch) // G))
             if fewest >= share:
                 break
             need = share - fewest  # per rank; world * need fresh prompts in all
-            idx = parallel.my_slice(sampler.sample(need * world, step))
+            idx = parallel.my_slice(prompt_sampler.sample(need * world, step))
             seeds = sampling_seeds(cfg, step, num_drawn + rank * need, need)
             more = generate_and_score(engine, train, idx, seeds, cfg, temperature)
             drawn = drawn + more.gathered()
@@ -264,7 +268,7 @@ def collect_rollouts(engine, sampler, train, cfg, step, temperature, times):
     times["time/generate"] = spent - times["time/score"] - times.get("time/tools", 0.0)
     # D2: every group drawn, with its pass rate, feeds the curriculum (a no-op for a shuffle)
     stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
-    sampler.update(drawn.problem[::G], stats["pass_rate"].tolist())
+    prompt_sampler.update(drawn.problem[::G], stats["pass_rate"].tolist())
     return batch, drawn, rounds
 
 
@@ -330,7 +334,7 @@ class UpdateBatch:
     prompt_lens: torch.Tensor  # (N,) prompt tokens of each row
     groups: torch.Tensor  # (N,) each row's group: its rows share their prompt (shared_prompt)
     minis: list  # MiniBatch per optimizer step of an epoch: one, or mini_batches of them (L7)
-    tokens: float  # real tokens (prompt + completion) of the global batch's rows
+    tokens: float  # real tokens (prompt + completion) of the global batch: throughput, logged only
     # positions a pass over the global batch computes: padding in, shared prompts once
     computed: float
     computed_real: float  # the real tokens among them (pad_frac = 1 - computed_real / computed)
@@ -348,9 +352,9 @@ class UpdateBatch:
 
 
 def mini_batch_rows(num_rows, G, mini_batches, first_group):
-    """Row indices of each mini-batch: global group g goes to mini-batch g % mini_batches, so N
-    ranks split the batch as one process does (first_group: the global index of this rank's first
-    group)."""
+    """Row indices of each mini-batch: global group g goes to mini-batch g % mini_batches, so any
+    number of ranks split the batch as one process does (first_group: the global index of this
+    rank's first group)."""
     groups = range(num_rows // G)
     return [[g * G + j for g in groups if (first_group + g) % mini_batches == k for j in range(G)]
             for k in range(mini_batches)]
@@ -417,7 +421,9 @@ def micro_batch_logprobs(model, ub, mb, cfg, temperature):
     (b, L-1); padded rows (forward_logprobs), or each prompt once (shared_prompt)."""
     L = int(ub.attention[mb].sum(1).max())
     ids, attention = ub.ids[mb, :L], ub.attention[mb, :L]
-    if cfg.shared_prompt:  # a group's G completions on one pass over their prompt, not G
+    # on by default: a group's G completions on one pass over their prompt, not G; the same
+    # logprobs as the padded forward below to fp32 rounding (perf/shared_prompt.py). Read that first
+    if cfg.shared_prompt:
         return shared_prompt.shared_prompt_logprobs(model, ids, attention, ub.prompt_lens[mb],
                                                     ub.groups[mb], temperature, cfg)
     return forward_logprobs(model, ids, attention, cfg, temperature)
@@ -438,7 +444,9 @@ def batch_logprobs(model, ub, cfg, temperature):
 class Passes:
     """What the update needs from no-grad passes over the batch first; None where not needed."""
 
-    old: torch.Tensor = None  # (N, L-1) the sampling policy's logprobs (L7)
+    # (N, L-1) pi_old: the trainer's logprobs under the weights that sampled the batch, before
+    # its first update (L7); None with one update a batch, where pi_old is the policy itself
+    old: torch.Tensor = None
     ref: torch.Tensor = None  # (N, L-1) the reference's (F1, L4)
     pg_mask: torch.Tensor = None  # (N, L-1) the tokens that get the policy gradient (L5, "80/20")
 
@@ -540,7 +548,9 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
         T = lp.shape[1]
         mask, sampler_lp = ub.mask[mb, :T], ub.sampler_lp[mb, :T]
         # with one optimizer step per batch the old policy is the current one: its own logprobs,
-        # detached, no extra pass; from the second step on the ratio and the clip act
+        # detached, no extra pass. The ratio exp(lp - lp.detach()) is then 1, but its gradient is
+        # grad log pi: the loss is -A grad log pi, the policy gradient with the group as baseline.
+        # From a batch's second step on (L7), the ratio moves off 1 and the clip acts
         old = passes.old[mb, :T] if passes.old is not None else lp.detach()
         is_weights, is_metrics = None, {}
         if cfg.is_correction != "off":  # R2: correct for sampling from vLLM's q rather than pi_old
@@ -651,9 +661,11 @@ def main(argv, wrap_engine=lambda engine: engine):
     """Train (or with eval_only, evaluate). wrap_engine lets a test observe the engine's calls."""
     cfg, device, path, resume_from, task, (train_problems, test_problems), eval_tasks = prepare_run(
         argv)
+    # train_model: the policy, wrapped by DDP under torchrun with parallel=ddp (else the same
+    # object: FSDP2 shards it in place); the gradient passes go through it, the no-grad ones not
     tokenizer, policy, train_model, ref, params, optimizer = build_models(cfg, path, device,
                                                                           resume_from)
-    sampler = make_sampler(cfg, len(train_problems))
+    prompt_sampler = make_sampler(cfg, len(train_problems))  # the prompts of each step (D2, D3)
     train = Split(task, train_problems,
                   tokenize_prompts(tokenizer, task, train_problems, cfg.max_prompt_len))
     test = Split(task, test_problems,
@@ -661,10 +673,10 @@ def main(argv, wrap_engine=lambda engine: engine):
     eval_sets = [test, *(eval_split(tokenizer, *found, cfg) for found in eval_tasks)]  # M2
     state = TrainState(beta=cfg.beta, run_id=f"{random.Random().getrandbits(64):016x}")
     if resume_from:
-        state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, sampler)
+        state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, prompt_sampler)
     if cfg.async_rollouts and not cfg.eval_only:  # R8: a sampler process makes the rollouts
         phases = Phases(collect_rollouts, temperature_at, eval_is_due)
-        rollouts = AsyncRollouts(cfg, path, device, policy, sampler, state.step, phases,
+        rollouts = AsyncRollouts(cfg, path, device, policy, prompt_sampler, state.step, phases,
                                  load_pending(resume_from, Rollouts))
         engine_name, final_eval = f"{cfg.engine} in a sampler process", rollouts.final_eval
         extra = rollouts.checkpoint_files  # the batches made for the steps after a checkpoint
@@ -678,8 +690,8 @@ def main(argv, wrap_engine=lambda engine: engine):
         return policy
     logger = Logger(cfg, state.run_id) if parallel.rank() == 0 else None
     # save() writes a checkpoint of the run as it stands when called (state is one object)
-    save = functools.partial(save_checkpoint, cfg, policy, ref, tokenizer, optimizer, sampler,
-                             state, extra=extra)
+    save = functools.partial(save_checkpoint, cfg, policy, ref, tokenizer, optimizer,
+                             prompt_sampler, state, extra=extra)
     G = cfg.group_size
     checkpoint_seconds = 0.0
     next_parity_warning = 0
@@ -701,7 +713,7 @@ def main(argv, wrap_engine=lambda engine: engine):
                 evals = evaluate_in_run(engine, eval_sets, cfg, step)
 
             # ---- sample prompts, generate G completions each, score them; R7 refills; D2
-            batch, drawn, rounds = collect_rollouts(engine, sampler, train, cfg, step,
+            batch, drawn, rounds = collect_rollouts(engine, prompt_sampler, train, cfg, step,
                                                     temperature, times)
 
             # ---- put the engine to sleep: its GPU memory goes to the update (R1)

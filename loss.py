@@ -45,7 +45,8 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(),
     """Clipped-surrogate GRPO loss of one (micro-)batch and its metrics.
 
     logprobs:     (B, T) fp32, current policy, with grad.
-    old_logprobs: (B, T) the sampling policy's logprobs; detached here whatever the caller passes.
+    old_logprobs: (B, T) pi_old's: the policy before this batch's first update (the current one,
+                  detached, with one update a batch); detached here whatever the caller passes.
     advantages:   (B,) one per completion (advantage.group_advantages).
     mask:         (B, T) 1 on response tokens, 0 on padding (L3); masked values may be anything,
                   even -inf.

@@ -17,10 +17,12 @@ def shape_reward(c, length, *, weights=None, wrong_penalty=0.0, unparsed_penalty
     """One scalar from a completion's components and its length in tokens.
 
     W2: each component times its weight: `weights`, else WEIGHTS' (correct 1, format 0.1), else 1
-        (as TRL's reward_weights). With a "parsed" component, a parseable but wrong answer adds
-        wrong_penalty (small, e.g. -0.1), an unparseable one unparsed_penalty (larger, e.g. -0.5).
-        (A common blog reward gives 0.4 when the answer tag is missing, rewarding the missing
-        answer; not here.)
+        (as TRL's reward_weights). "format" is the <think>..</think><answer>..</answer> layout
+        (rewards.has_format). "parsed" (the answer was in its box or tag) picks a penalty: a
+        parsed, wrong answer adds wrong_penalty (small, e.g. -0.1), one with no box or tag
+        unparsed_penalty (larger, e.g. -0.5), even where a last number was judged right (math's
+        math_last_number). (A common blog reward gives 0.4 when the answer tag is missing,
+        rewarding the missing answer; not here.)
     W3: past length_soft_limit tokens, -length_penalty per length_penalty_tokens started;
         below length_min tokens the reward is 0. Both 0 = off.
     Example: correct, well formatted, 100 tokens, defaults -> 1.1.
