@@ -212,16 +212,18 @@ DELETED = {
                            "(default 0.1)"),
     "correct_weight": (1.0, "the correct component's weight is --reward_weights=correct:W "
                             "(default 1)"),
-    "kl_low": (0.01, "kl_band=(low, high) holds both, e.g. --kl_band=0.01,0.08"),
-    "kl_high": (0.08, "kl_band=(low, high) holds both, e.g. --kl_band=0.01,0.08"),
-    "curriculum_hard_below": (0.2, "curriculum_bands=(hard below, easy above) holds both, e.g. "
-                                   "--curriculum_bands=0.2,0.8"),
-    "curriculum_easy_above": (0.8, "curriculum_bands=(hard below, easy above) holds both, e.g. "
-                                   "--curriculum_bands=0.2,0.8"),
     "max_nonfinite": (5, "a run stops after 5 skipped updates in a row (grpo.MAX_NONFINITE)"),
     "push_bucket_mb": (256, "weights go to vLLM in buckets of 256 MB (model.push_weights_iter's "
                             "bucket_mb)"),
 }
+# deleted settings one tuple holds now, (first, second): an older run's values move there (upgrade)
+MERGED = {"kl_band": ("kl_low", "kl_high"),
+          "curriculum_bands": ("curriculum_hard_below", "curriculum_easy_above")}
+for _now, _pair in MERGED.items():  # each old name's entry: its default, what holds it now
+    _defaults = Config.__dataclass_fields__[_now].default
+    DELETED.update({old: (default, f"{_now} = ({', '.join(_pair)}) holds both, e.g. "
+                                   f"--{_now}={','.join(map(str, _defaults))}")
+                    for old, default in zip(_pair, _defaults)})
 CHOICES = {
     "adv_scale": ("group", "batch", "none"), "adv_baseline": ("mean", "leave-one-out"),
     "policy_loss": ("clip", "cispo", "sapo", "gpg"), "kl_estimator": ("k3", "k1", "k2"),
@@ -520,11 +522,6 @@ def save_config(cfg, path):
         json.dump(dataclasses.asdict(cfg), f, indent=2)
 
 
-# deleted settings that another holds now: an older run's saved values move there (upgrade)
-MERGED = {"kl_band": ("kl_low", "kl_high"),
-          "curriculum_bands": ("curriculum_hard_below", "curriculum_easy_above")}
-
-
 def upgrade(saved):
     """A config an older version saved (save_config's JSON) in today's settings: a deleted
     setting's value moves to the setting that holds it now (a weight only off its old default,
@@ -532,11 +529,12 @@ def upgrade(saved):
     saved = dict(saved)
     if "is_seq_cap" in saved and saved.get("is_correction") == "sequence":  # a completion's rho
         saved["is_cap"] = saved["is_seq_cap"]  # is capped by is_cap now
-    if "format_weight" in saved or "correct_weight" in saved:  # its reward_weights ignored these
+    old = [k for k in ("correct_weight", "format_weight") if k in saved]
+    if old:  # reward_weights could not weigh correct, format or parsed then: those did nothing
         weights = {k: v for k, v in pairs("reward_weights", saved.get("reward_weights", "")).items()
                    if k not in ("correct", "format", "parsed")}
-        weights.update({k.removesuffix("_weight"): saved[k] for k in ("correct_weight",
-                        "format_weight") if k in saved and saved[k] != DELETED[k][0]})
+        weights.update({k.removesuffix("_weight"): saved[k] for k in old
+                        if saved[k] != DELETED[k][0]})
         saved["reward_weights"] = ",".join(f"{k}:{v}" for k, v in weights.items())
     for now, (low, high) in MERGED.items():
         if low in saved:
