@@ -148,9 +148,10 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
     assert changed_settings(load_config(overrides=["--reward_weights=format:0.5"]), {
         **saved, "format_weight": 0.1, "reward_weights": "format:0.5,parsed:1"}) == [
         ("reward_weights", "", "format:0.5")]
+    before_bands = {k: v for k, v in saved.items() if k != "kl_band"}  # as an older version saved
     assert changed_settings(load_config(overrides=["--kl_band=0.01,0.1"]),
-                            {**saved, "kl_low": 0.01, "kl_high": 0.08}) == [
-        ("kl_band", [0.01, 0.08], [0.01, 0.1])]
+                            {**before_bands, "kl_low": 0.02, "kl_high": 0.08}) == [
+        ("kl_band", [0.02, 0.08], [0.01, 0.1])]
     # an older sequence-level run's cap (is_seq_cap, default 3) is is_cap's now (default 2)
     sequence = json.loads(json.dumps(dataclasses.asdict(load_config(
         overrides=["--is_correction=sequence"]))))

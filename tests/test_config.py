@@ -150,6 +150,9 @@ def test_a_task_files_options_are_settings_by_name(tmp_path, capsys):
     assert evals.task_options["countdown_numbers"] == (5,)
     assert evals.task_options["math_last_number"] is True
     assert evals.task_options["math_kinds"] == ("add",)  # the run's own task's options stay
+    (tmp_path / "other.py").write_text("OPTIONS = {'my_hint': False}\n")  # another default
+    assert load_config(overrides=[f"--task={task}", f"--eval_tasks={tmp_path / 'other.py'}"]
+                       ).task_options["my_hint"] is True
     with pytest.raises(ConfigError, match=r"unknown setting 'my_n': the task file .*gone.py that "
                                           r"may declare it cannot be read \(FileNotFoundError"):
         load_config(overrides=[f"--task={tmp_path / 'gone.py'}", "--my_n=1"])
@@ -218,6 +221,7 @@ def test_an_older_config_is_read_in_todays_settings(tmp_path):
 def test_a_band_is_two_ordered_numbers(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=[override])
+    assert load_config(overrides=["--curriculum_bands=0.5,0.5"]).curriculum_bands == (0.5, 0.5)
 
 
 @pytest.mark.parametrize(

@@ -317,7 +317,7 @@ def test_a_deadline_lost_in_a_finalizer_fires_again(thread):
     start = time.perf_counter()
     results = in_thread(thread, lambda: within(0.2, first_deadline_lost_in_a_finalizer))
     assert results == {"returned": "out of time", "left": before}  # and nothing left behind
-    assert time.perf_counter() - start == pytest.approx(0.6, abs=0.5)
+    assert time.perf_counter() - start < 3.0  # the check alone runs 5 s: the deadline fired again
 
 
 @pytest.mark.parametrize("thread", ["main", "other"])
@@ -331,7 +331,7 @@ def test_the_with_blocks_a_deadline_unwinds_run_whole(thread):
             state.append("set")
 
         def __exit__(self, *exc):
-            time.sleep(0.01)  # the refire must not land here
+            time.sleep(0.01)  # the refire (REFIRE, 50 ms after a raise) must not land here
             state.append(step("restored"))  # a Python call: the trace's chance to raise
 
     def step(x=None):

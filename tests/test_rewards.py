@@ -395,9 +395,9 @@ def test_shape_reward_weighs_the_tasks_own_components():
     assert shape_reward(c, 10) == pytest.approx(1.0 + 1.0 + 0.5)
     assert shape_reward(c, 10, weights={"brief": 0.2, "style": 0.0}) == pytest.approx(1.2)
     # the verifiers' own components are weighed the same way (correct 1, format 0.1 by default)
-    c = {"correct": 1.0, "format": 1.0, "parsed": 1.0}
-    assert shape_reward(c, 10) == pytest.approx(1.1)
-    assert shape_reward(c, 10, weights={"format": 0.5, "correct": 2.0}) == pytest.approx(2.5)
+    c = {"correct": 1.0, "format": 0.5, "parsed": 1.0}
+    assert shape_reward(c, 10) == pytest.approx(1.05)
+    assert shape_reward(c, 10, weights={"format": 0.5, "correct": 2.0}) == pytest.approx(2.25)
     # no "parsed": no penalty
     assert shape_reward({"score": 0.7}, 10, unparsed_penalty=-0.5) == pytest.approx(0.7)
     assert shape_reward({"score": 0.7}, 200, length_soft_limit=100,
