@@ -304,7 +304,7 @@ FREE_SETTINGS = (
     "keep_checkpoints",
     # what is measured and logged (M1, M2, W6)
     "eval_every", "eval_n", "eval_in_run_sampled", "eval_tasks", "test_size", "sample_every",
-    "sample_groups", "wandb_project", "tensorboard",
+    "sample_groups", "report_to",
     # the machine and the engine: the same numbers, computed elsewhere or faster (R1, O3, O5, L6)
     "engine", "device", "dtype", "parallel", "vllm_tensor_parallel", "device_memory_gb",
     "gpu_memory_utilization", "vllm_cpu_kv_cache_gb", "vllm_sleep_level",

@@ -45,8 +45,7 @@ class Config:
     eval_tasks: str = ""  # M2: more eval sets, e.g. "gsm8k_test.jsonl,tasks/larger.py"; "" = none
     sample_every: int = 10  # W6: dump whole groups to out_dir/samples.jsonl every N steps; 0 = off
     sample_groups: int = 2  # W6: groups per dump
-    wandb_project: str = ""  # M1: log to this wandb project too; "" = off
-    tensorboard: bool = False  # M1: also write tensorboard events to out_dir/tb
+    report_to: str = "none"  # M1: loggers beside metrics.jsonl, as TRL: "wandb,tensorboard" | "all"
 
     # ---- task and data (D1-D3) ----
     task: str = "math"  # D1: tasks/'s (math, countdown, code, ...), a .py file or a data file
@@ -215,6 +214,9 @@ DELETED = {
     "max_nonfinite": (5, "a run stops after 5 skipped updates in a row (grpo.MAX_NONFINITE)"),
     "push_bucket_mb": (256, "weights go to vLLM in buckets of 256 MB (model.push_weights_iter's "
                             "bucket_mb)"),
+    "wandb_project": ("", "--report_to=wandb logs to wandb, the project named by the WANDB_PROJECT "
+                          "environment variable (as under TRL), else 'grpo'"),
+    "tensorboard": (False, "--report_to=tensorboard writes tensorboard events to out_dir/tb"),
 }
 # deleted settings one tuple holds now, (first, second): an older run's values move there (upgrade)
 MERGED = {"kl_band": ("kl_low", "kl_high"),
@@ -266,6 +268,21 @@ def pairs(name, text):
             raise ConfigError(f"{name}={text!r} must look like key:value,key:value")
         out[key.strip()] = value.strip()
     return out
+
+
+REPORTERS = ("wandb", "tensorboard")  # M1: the loggers report_to may name
+
+
+def reporters(text):
+    """report_to's loggers, as TRL reads it: "none", "all", or names joined by commas."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if names == ["all"]:
+        return REPORTERS
+    unknown = [name for name in names if name not in REPORTERS + ("none",)]
+    need(not unknown and ("none" not in names or names == ["none"]),
+         f"report_to={text!r}: name loggers from {', '.join(REPORTERS)} (comma-separated), "
+         "or 'all', or 'none'")
+    return tuple(name for name in dict.fromkeys(names) if name != "none")
 
 
 def reward_weights(text):
@@ -719,11 +736,10 @@ def check_machine(cfg):
     need(not (cfg.async_rollouts and on_gpu) or torch.cuda.device_count() > world,
          f"async_rollouts on GPUs: the sampler takes the GPU after the {world} trainer rank(s), "
          f"and this machine has {torch.cuda.device_count()}; run one rank fewer")
-    for name, package in (("wandb_project", "wandb"), ("tensorboard", "tensorboard")):
-        off = getattr(Config(), name)
-        need(not getattr(cfg, name) or importlib.util.find_spec(package) is not None,
-             f"{name}={getattr(cfg, name)!r} needs the {package} package: pip install {package}, "
-             f"or set {name}={off!r} (off; metrics.jsonl has every metric)")
+    for package in reporters(cfg.report_to):
+        need(importlib.util.find_spec(package) is not None,
+             f"report_to={cfg.report_to!r} needs the {package} package: pip install {package}, "
+             "or leave it out of report_to (metrics.jsonl has every metric)")
 
 
 def warn_misleading(cfg):

@@ -2,7 +2,7 @@
 
 One line per step from rank 0 (`step 12 | reward 0.41 | acc 0.22 | ...`); every metric appended to
 out_dir/metrics.jsonl; whole groups to out_dir/samples.jsonl every sample_every steps (W6), which
-`python task.py --replay` re-scores (W5); wandb and tensorboard only when asked for,
+`python task.py --replay` re-scores (W5); wandb and tensorboard only when report_to names them,
 imported lazily.
 """
 
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 
 import parallel
-from config import PARITY_WARN
+from config import PARITY_WARN, reporters
 
 # the phases every step times (time/<phase> in metrics.jsonl): one list for the bench and the plot
 PHASES = ["generate", "tools", "score", "push", "sleep", "ref", "old", "update", "checkpoint",
@@ -138,13 +138,14 @@ class Logger:
         self.max_steps = cfg.max_steps
         self.step_seconds = []  # this process's steps, for the time left
         self.wandb = self.tb = None
-        if cfg.wandb_project:
+        if "wandb" in reporters(cfg.report_to):
             import wandb
 
-            # run_id is kept in every checkpoint, so a resumed run continues the same wandb run
-            self.wandb = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg),
-                                    resume="allow", id=run_id)
-        if cfg.tensorboard:
+            # the project is named by WANDB_PROJECT, as under TRL; run_id is kept in every
+            # checkpoint, so a resumed run continues the same wandb run
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo"), id=run_id,
+                                    config=dataclasses.asdict(cfg), resume="allow")
+        if "tensorboard" in reporters(cfg.report_to):
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(cfg.out_dir, "tb"))

@@ -496,10 +496,24 @@ def test_a_gpu_or_a_logger_this_machine_lacks_fails(monkeypatch):
         load_config(overrides=["--device=cuda"])
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: find_spec gives None
     monkeypatch.setitem(sys.modules, "tensorboard", None)
-    with pytest.raises(ConfigError, match="wandb_project='mine' needs the wandb package"):
-        load_config(overrides=["--wandb_project=mine"])
-    with pytest.raises(ConfigError, match="tensorboard=True needs the tensorboard package"):
-        load_config(overrides=["--tensorboard=true"])
+    with pytest.raises(ConfigError, match="report_to='wandb' needs the wandb package"):
+        load_config(overrides=["--report_to=wandb"])
+    with pytest.raises(ConfigError, match="report_to='all' needs the wandb package"):
+        load_config(overrides=["--report_to=all"])
+    with pytest.raises(ConfigError, match="report_to='tensorboard' needs the tensorboard package"):
+        load_config(overrides=["--report_to=tensorboard"])
+    assert load_config(overrides=["--report_to=none"]).report_to == "none"
+
+
+def test_report_to_reads_as_trl_reads_it():
+    assert config.reporters("none") == config.reporters("") == ()
+    assert config.reporters("all") == ("wandb", "tensorboard")
+    assert config.reporters("tensorboard") == ("tensorboard",)
+    assert config.reporters(" tensorboard, wandb,tensorboard") == ("tensorboard", "wandb")
+    for text in ("wand", "none,wandb", "all,wandb"):
+        with pytest.raises(ConfigError, match=f"report_to='{text}': name loggers from wandb, "
+                                              "tensorboard"):
+            config.reporters(text)
 
 
 def test_dtype_auto_is_bf16_on_a_gpu_or_a_cpu_with_bf16_arithmetic(monkeypatch):

@@ -574,6 +574,39 @@ def test_the_parity_warning_bound_is_the_compute_dtypes(capsys, dtype, warns):
     assert ("logprob gap 5.00e-03 > 0.001 (config.PARITY_WARN, float32)" in printed) == warns
 
 
+def test_report_to_sends_each_step_to_the_loggers_it_names(tmp_path, monkeypatch):
+    """report_to=all: wandb under $WANDB_PROJECT (TRL's way) with the run's id, so a resume goes
+    on with the same wandb run, and tensorboard in out_dir/tb, each step's numbers; "none" neither.
+    Neither package is needed: stand-ins record what the Logger asks of them."""
+    import types
+
+    calls = []
+    wandb = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or wandb,
+                                  log=lambda metrics, step: calls.append(("log", step, metrics)))
+
+    class SummaryWriter:
+        def __init__(self, folder):
+            calls.append(("tb", folder))
+
+        def add_scalar(self, key, value, step):
+            calls.append(("scalar", key, value, step))
+
+    tensorboard = types.SimpleNamespace(SummaryWriter=SummaryWriter)
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", tensorboard)
+    monkeypatch.setenv("WANDB_PROJECT", "countdown")
+    metrics = {"step": 3, "reward": 0.5, "time/step": 1.0, "note": "text"}
+    log.Logger(config.Config(out_dir=str(tmp_path), report_to="none"), "run-1").log(metrics)
+    assert calls == []
+    log.Logger(config.Config(out_dir=str(tmp_path), report_to="all"), "run-1").log(metrics)
+    (_, init), tb, logged, *scalars = calls
+    assert init["project"] == "countdown" and init["id"] == "run-1" and init["resume"] == "allow"
+    assert init["config"]["report_to"] == "all"
+    assert tb == ("tb", str(tmp_path / "tb")) and logged == ("log", 3, metrics)
+    assert scalars == [("scalar", k, metrics[k], 3) for k in ("step", "reward", "time/step")]
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2  # metrics.jsonl whatever report_to says
+
+
 def test_ref_refresh_without_a_reference_fails_in_preflight(tmp_path):
     with pytest.raises(ConfigError, match="beta=0 means there is none"):
         grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
