@@ -108,8 +108,9 @@ class Config:
     max_tool_calls: int = 2  # tool calls per completion; the turn after the last may not call
     tool_timeout: float = 5.0  # seconds a call may run in the sandbox; past it, killed and an error
     tool_output_chars: int = 500  # a call's output is cut to this many characters (with a marker)
-    tool_open: str = "<python>"  # a call: the code between the tags (generation stops at the close)
-    tool_close: str = "</python>"  # the close tag (a ```python block: "```python\n", "\n```\n")
+    # a call is the code between the two; generation stops at the second. A ```python block:
+    # ("```python\n", "\n```\n")
+    tool_tags: tuple = ("<python>", "</python>")  # a tool call's open and close tags
     tool_error_penalty: float = 0.0  # minus this per failed call (raised, timeout, killed); 0 = off
     sandbox: str = "full"  # the weakest sandbox accepted (sandbox.py); else the run does not start
 
@@ -220,7 +221,8 @@ DELETED = {
 }
 # deleted settings one tuple holds now, (first, second): an older run's values move there (upgrade)
 MERGED = {"kl_band": ("kl_low", "kl_high"),
-          "curriculum_bands": ("curriculum_hard_below", "curriculum_easy_above")}
+          "curriculum_bands": ("curriculum_hard_below", "curriculum_easy_above"),
+          "tool_tags": ("tool_open", "tool_close")}
 for _now, _pair in MERGED.items():  # each old name's entry: its default, what holds it now
     _defaults = Config.__dataclass_fields__[_now].default
     DELETED.update({old: (default, f"{_now} = ({', '.join(_pair)}) holds both, e.g. "
@@ -691,9 +693,10 @@ def validate(cfg):
         need(getattr(cfg, name) <= MAX_VLLM_TEMPERATURE or cfg.engine == "hf",
              f"{name}={getattr(cfg, name)}: vLLM refuses a temperature above "
              f"{MAX_VLLM_TEMPERATURE} (its SamplingParams); lower it, or set engine='hf'")
-    need(cfg.tool_open and cfg.tool_close and cfg.tool_close not in cfg.tool_open,
-         f"tool_open={cfg.tool_open!r}, tool_close={cfg.tool_close!r}: both non-empty, and the "
-         "close not inside the open (generation stops at the close), e.g. <python> and </python>")
+    tags = cfg.tool_tags
+    need(len(tags) == 2 and all(tags) and tags[1] not in tags[0],
+         f"tool_tags={tags!r}: two non-empty tags, open and close, and the close not "
+         "inside the open (generation stops at the close), e.g. --tool_tags=<python>,</python>")
     need(cfg.tool_timeout > 0, f"tool_timeout={cfg.tool_timeout} must be > 0 seconds (a call past "
                                "it is killed); 5 is usual")
     need(cfg.max_turns >= 1, f"max_turns={cfg.max_turns}: an episode has at least one model turn")

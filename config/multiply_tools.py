@@ -10,8 +10,7 @@ out_dir = "out/multiply_tools"
 max_steps = 20
 
 tools = True
-tool_open = "```python\n"  # the format this small model already writes; <python> tags it never does
-tool_close = "\n```\n"
+tool_tags = ("```python\n", "\n```\n")  # the format this small model writes; <python> it never does
 max_tool_calls = 2
 tool_output_chars = 200
 max_completion_len = 96  # the model's tokens and the tool's together

@@ -196,13 +196,15 @@ def test_an_older_config_is_read_in_todays_settings(tmp_path):
     cap) is read into it: an older run's audit and resume see the run it was."""
     saved = json.loads(json.dumps(dataclasses.asdict(load_config(overrides=[
         "--reward_weights=numbers_valid:0.5", "--is_correction=sequence"]))))
-    for name in ("kl_band", "curriculum_bands", "is_cap"):
+    for name in ("kl_band", "curriculum_bands", "is_cap", "tool_tags"):
         saved.pop(name)
     saved.update(kl_low=0.02, kl_high=0.1, curriculum_hard_below=0.3, curriculum_easy_above=0.9,
-                 format_weight=0.3, correct_weight=1.0, is_seq_cap=4.0)
+                 format_weight=0.3, correct_weight=1.0, is_seq_cap=4.0, tool_open="```python\n",
+                 tool_close="\n```\n")
     (tmp_path / "config.json").write_text(json.dumps(saved))
     cfg = load_saved(tmp_path / "config.json")
     assert cfg.kl_band == (0.02, 0.1) and cfg.curriculum_bands == (0.3, 0.9) and cfg.is_cap == 4.0
+    assert cfg.tool_tags == ("```python\n", "\n```\n")
     # the format weight moved; correct's, at its old default, stays out (the default is the same)
     assert cfg.component_weights == {"numbers_valid": 0.5, "format": 0.3}
     assert config.upgrade({"kl_up": 1.2}) == {"kl_up": 1.2}

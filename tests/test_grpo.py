@@ -105,7 +105,7 @@ def test_a_run_with_tool_calls_trains_only_on_the_models_tokens_and_logs_the_too
     calls the sandbox (with garbage: mostly errors), its output is appended, masked out of the loss,
     and logged."""
     out = tmp_path / "tools"
-    run(out, "--tools=true", "--tool_open= ", "--tool_close=e", "--max_steps=3", "--sample_every=1",
+    run(out, "--tools=true", "--tool_tags=' ',e", "--max_steps=3", "--sample_every=1",
         "--tool_error_penalty=0.1", "--eval_every=0")
     metrics = read_jsonl(out / "metrics.jsonl")
     assert len(metrics) == 3

@@ -317,8 +317,9 @@ def test_with_tools_the_math_task_judges_only_the_models_text_after_the_last_out
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--tool_open="], "both non-empty"),
-    (["--tool_open=```python", "--tool_close=```"], "not inside the open"),
+    (["--tool_tags=,</python>"], "two non-empty tags"),
+    (["--tool_tags='',</python>"], "two non-empty tags"),
+    (["--tool_tags=```python,```"], "not inside the open"),
     (["--max_tool_calls=0"], "max_tool_calls=0 must be >= 1"),
     (["--tool_timeout=0"], "tool_timeout=0.0 must be > 0"),
 ])
@@ -329,9 +330,16 @@ def test_impossible_tool_settings_fail_with_what_to_change(overrides, message):
         load_config(overrides=["--tools=true", *overrides])
 
 
+def test_tool_tags_from_the_command_line():
+    """Two tags, comma-separated; quoted, a tag may hold a newline (Python's escapes)."""
+    assert load_config(overrides=["--tool_tags=<tool>,</tool>"]).tool_tags == ("<tool>", "</tool>")
+    fence = load_config(overrides=[r"--tool_tags='```python\n','\n```\n'"])
+    assert fence.tool_tags == ("```python\n", "\n```\n")
+
+
 def test_the_tool_run_file_passes_preflight():
     from preflight import preflight
 
     cfg = load_config(os.path.join(ROOT, "config", "multiply_tools.py"))
-    assert cfg.tools and cfg.tool_close == "\n```\n" and cfg.tool_close not in cfg.tool_open
+    assert cfg.tools and cfg.tool_tags == ("```python\n", "\n```\n")
     preflight(cfg)
