@@ -1,8 +1,9 @@
 """R8: the sampler in a process of its own, generating up to max_staleness batches ahead (optional).
 
-    python grpo.py --async_rollouts=true --is_correction=token   # a CPU: a process, half the cores
-    torchrun --nproc_per_node=N grpo.py --config ... --async_rollouts=true --is_correction=token
-                                                             # N + 1 GPUs: GPU N is the sampler's
+    python grpo.py --async_rollouts=true --is_correction=token_truncate
+                                    # a CPU: the sampler is a process on half the cores
+    torchrun --nproc_per_node=N grpo.py --config ... --async_rollouts=true \
+        --is_correction=token_truncate          # N + 1 GPUs: GPU N is the sampler's
 
 The plain loop wakes its engine, generates batch t with the policy after t updates, sleeps it and
 updates. Here a second process owns the engine (vLLM, or its own copy of the policy for the HF

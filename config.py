@@ -95,8 +95,9 @@ class Config:
     gpu_memory_utilization: float = 0.4  # R1: vLLM's share of the GPU (0.3-0.5)
     vllm_cpu_kv_cache_gb: int = 1  # R1: KV cache of vLLM on a CPU (VLLM_CPU_KVCACHE_SPACE), GiB
     vllm_sleep_level: int = 2  # R1: GPU sleep: 1 offloads weights to CPU, 2 drops them; 0 = none
-    is_correction: str = "off"  # R2: weight pi_old / q (q: sampler): "token" | "sequence" | "off"
-    is_mode: str = "truncate"  # R2: over the cap: cut to it ("truncate", TIS) or dropped ("mask")
+    # R2: weight pi_old / q (q: the sampler's) per token or per completion; a weight past the cap
+    # is cut to it ("truncate", TIS) or dropped ("mask"). TRL's vllm_importance_sampling_mode names
+    is_correction: str = "off"  # R2: "token_truncate" | "token_mask" | "sequence_*" | "off"
     is_cap: float = 2.0  # R2: cap on rho, a token's or a completion's (TRL's clip_max: 3 for both)
     is_floor: float = 0.0  # R2, R8: the band's floor: below it raised (truncate) or out; 0 = none
     async_rollouts: bool = False  # R8: a sampler process makes the next batches during updates
@@ -218,6 +219,9 @@ DELETED = {
     "wandb_project": ("", "--report_to=wandb logs to wandb, the project named by the WANDB_PROJECT "
                           "environment variable (as under TRL), else 'grpo'"),
     "tensorboard": (False, "--report_to=tensorboard writes tensorboard events to out_dir/tb"),
+    "is_mode": ("truncate", "is_correction names the level and what is done past the cap, as "
+                            "TRL's vllm_importance_sampling_mode: token_truncate, token_mask, "
+                            "sequence_truncate or sequence_mask"),
 }
 # deleted settings one tuple holds now, (first, second): an older run's values move there (upgrade)
 MERGED = {"kl_band": ("kl_low", "kl_high"),
@@ -233,8 +237,8 @@ CHOICES = {
     "policy_loss": ("clip", "cispo", "sapo", "gpg"), "kl_estimator": ("k3", "k1", "k2"),
     "loss_agg": ("token-mean", "seq-mean", "dr-grpo"), "ratio_level": ("token", "sequence"),
     "dtype": ("auto", "bfloat16", "float32"), "engine": ("auto", "vllm", "hf"),
-    "device": ("auto", "cuda", "cpu"), "is_correction": ("off", "token", "sequence"),
-    "is_mode": ("truncate", "mask"), "vllm_sleep_level": (0, 1, 2),
+    "device": ("auto", "cuda", "cpu"), "vllm_sleep_level": (0, 1, 2),
+    "is_correction": ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
     "parallel": ("fsdp", "ddp"), "sandbox": ("full", "namespaces", "none"),
     "old_logprobs": ("recompute", "sampler"),
 }
@@ -548,6 +552,8 @@ def upgrade(saved):
     saved = dict(saved)
     if "is_seq_cap" in saved and saved.get("is_correction") == "sequence":  # a completion's rho
         saved["is_cap"] = saved["is_seq_cap"]  # is capped by is_cap now
+    if saved.get("is_correction") in ("token", "sequence"):  # the level and is_mode, one name now
+        saved["is_correction"] += "_" + saved.get("is_mode", "truncate")
     old = [k for k in ("correct_weight", "format_weight") if k in saved]
     if old:  # reward_weights could not weigh correct, format or parsed then: those did nothing
         weights = {k: v for k, v in pairs("reward_weights", saved.get("reward_weights", "")).items()
@@ -772,13 +778,13 @@ def warn_misleading(cfg):
                       "mini_batches > 1)")
     if cfg.async_rollouts and cfg.is_correction == "off" and cfg.old_logprobs == "recompute":
         warnings.warn(f"async_rollouts: each batch comes from weights up to {cfg.max_staleness} "
-                      "update(s) old and nothing corrects for it (R8); set is_correction=token "
-                      "(TIS; is_mode=mask with is_floor=0.5 for IcePop's band) or sequence, or "
-                      "old_logprobs=sampler")
-    if cfg.old_logprobs == "sampler" and cfg.is_correction != "off" and cfg.is_mode == "truncate":
+                      "update(s) old and nothing corrects for it (R8); set "
+                      "is_correction=token_truncate (TIS; token_mask with is_floor=0.5 for "
+                      "IcePop's band) or sequence_mask, or old_logprobs=sampler")
+    if cfg.old_logprobs == "sampler" and cfg.is_correction.endswith("_truncate"):
         warnings.warn("old_logprobs=sampler puts q in the ratio already; a truncated IS weight "
-                      "pi_old / q on top counts the gap twice: use is_mode=mask (a band) or "
-                      "is_correction=off")
+                      "pi_old / q on top counts the gap twice: use is_correction=token_mask or "
+                      "sequence_mask (a band), or off")
     if not LR_USUAL[0] <= cfg.lr <= LR_USUAL[1]:  # O1: an AdamW step moves each weight by ~lr
         warnings.warn(f"lr={cfg.lr:g} is far outside the usual range ({LR_USUAL[0]:g} to "
                       f"{LR_USUAL[1]:g}; 1e-6 to 1e-5 for full fine-tuning of a 1-8B model): the "

@@ -554,8 +554,9 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
         old = passes.old[mb, :T] if passes.old is not None else lp.detach()
         is_weights, is_metrics = None, {}
         if cfg.is_correction != "off":  # R2: correct for sampling from vLLM's q rather than pi_old
+            level, action = cfg.is_correction.split("_")  # e.g. token_truncate: TIS
             is_weights, is_metrics = sampler_is_weights(old, sampler_lp, mask, cap=cfg.is_cap,
-                                                        level=cfg.is_correction, action=cfg.is_mode,
+                                                        level=level, action=action,
                                                         floor=cfg.is_floor)
         behaviour = old  # pi_old of the ratio
         if cfg.old_logprobs == "sampler":  # R8: the ratio against the policy that sampled, q

@@ -242,7 +242,7 @@ def step_metrics(update, ub, lr):
               "is_weight_mean", "is_limited_frac", "dual_clip_frac", "pg_token_frac"):
         if k in sums:
             out[k] = sums[k] / n_tok
-    if sums.get("rows"):  # R2, R8: completions is_mode="mask" left no token of
+    if sums.get("rows"):  # R2, R8: completions a "_mask" is_correction left no token of
         out["is_masked_rows"] = sums["rows_masked"] / sums["rows"]
     out["sampler_logprob_diff_mean"] = None
     out["sampler_logprob_diff_max"] = None

@@ -125,7 +125,7 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
                "mini_batches", "temperature", "top_p", "top_k", "beta", "kl_estimator", "lr",
                "warmup_steps", "min_lr_ratio", "weight_decay", "adam_betas", "grad_clip",
                "dynamic_sampling", "dynamic_sampling_rounds", "mask_truncated", "is_correction",
-               "is_mode", "is_cap", "is_floor", "old_logprobs", "async_rollouts", "max_staleness",
+               "is_cap", "is_floor", "old_logprobs", "async_rollouts", "max_staleness",
                "tools", "max_turns", "env_reward", "adaptive_kl", "kl_window", "kl_band",
                "data_seed", "train_size", "data_name", "data_columns", "curriculum",
                "curriculum_bands", "curriculum_ramp_steps",
@@ -154,12 +154,17 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
         ("kl_band", [0.02, 0.08], [0.01, 0.1])]
     # an older sequence-level run's cap (is_seq_cap, default 3) is is_cap's now (default 2)
     sequence = json.loads(json.dumps(dataclasses.asdict(load_config(
-        overrides=["--is_correction=sequence"]))))
-    older = {**sequence, "is_seq_cap": 3.0}
-    now = load_config(overrides=["--is_correction=sequence"])
+        overrides=["--is_correction=sequence_truncate"]))))
+    older = {**sequence, "is_correction": "sequence", "is_mode": "truncate", "is_seq_cap": 3.0}
+    now = load_config(overrides=["--is_correction=sequence_truncate"])
     assert changed_settings(now, older) == [("is_cap", 3.0, 2.0)]
-    assert changed_settings(load_config(overrides=["--is_correction=sequence", "--is_cap=3"]),
-                            older) == []
+    capped = load_config(overrides=["--is_correction=sequence_truncate", "--is_cap=3"])
+    assert changed_settings(capped, older) == []
+    # an older run's level and is_mode are compared as the one is_correction that names both
+    token_mask = {**saved, "is_correction": "token", "is_mode": "mask"}
+    assert changed_settings(load_config(overrides=["--is_correction=token_truncate"]),
+                            token_mask) == [("is_correction", "token_mask", "token_truncate")]
+    assert changed_settings(load_config(overrides=["--is_correction=token_mask"]), token_mask) == []
     assert changed_settings(load_config(), {**saved, "is_seq_cap": 5.0}) == []  # unused: IS off
     assert changed_settings(load_config(), {**saved, "drop_zero_std_groups": True}) == [
         ("drop_zero_std_groups", True, "deleted: " + config.DELETED["drop_zero_std_groups"][1])]

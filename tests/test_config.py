@@ -195,16 +195,18 @@ def test_an_older_config_is_read_in_todays_settings(tmp_path):
     """A deleted setting that another holds now (config.MERGED, the reward weights, the sequence
     cap) is read into it: an older run's audit and resume see the run it was."""
     saved = json.loads(json.dumps(dataclasses.asdict(load_config(overrides=[
-        "--reward_weights=numbers_valid:0.5", "--is_correction=sequence"]))))
+        "--reward_weights=numbers_valid:0.5", "--is_correction=sequence_truncate"]))))
     for name in ("kl_band", "curriculum_bands", "is_cap", "tool_tags"):
         saved.pop(name)
     saved.update(kl_low=0.02, kl_high=0.1, curriculum_hard_below=0.3, curriculum_easy_above=0.9,
                  format_weight=0.3, correct_weight=1.0, is_seq_cap=4.0, tool_open="```python\n",
-                 tool_close="\n```\n")
+                 tool_close="\n```\n", is_correction="sequence", is_mode="mask")
     (tmp_path / "config.json").write_text(json.dumps(saved))
     cfg = load_saved(tmp_path / "config.json")
     assert cfg.kl_band == (0.02, 0.1) and cfg.curriculum_bands == (0.3, 0.9) and cfg.is_cap == 4.0
-    assert cfg.tool_tags == ("```python\n", "\n```\n")
+    assert cfg.tool_tags == ("```python\n", "\n```\n") and cfg.is_correction == "sequence_mask"
+    assert config.upgrade({"is_correction": "token"})["is_correction"] == "token_truncate"
+    assert config.upgrade({"is_correction": "off", "is_mode": "mask"})["is_correction"] == "off"
     # the format weight moved; correct's, at its old default, stays out (the default is the same)
     assert cfg.component_weights == {"numbers_valid": 0.5, "format": 0.3}
     assert config.upgrade({"kl_up": 1.2}) == {"kl_up": 1.2}
@@ -392,7 +394,7 @@ def test_ref_refresh_needs_a_reference():
         (["--top_k=20"], "renormalised over the kept tokens"),
         (["--lr=1e10"], r"lr=1e\+10 is far outside the usual range"),
         (["--async_rollouts=true"], "nothing corrects for it"),
-        (["--old_logprobs=sampler", "--is_correction=token"], "counts the gap twice"),
+        (["--old_logprobs=sampler", "--is_correction=token_truncate"], "counts the gap twice"),
         (["--lr=1e-12"], "far outside the usual range"),
     ],
 )
@@ -412,10 +414,10 @@ def test_gspo_as_the_paper_runs_it_does_not_warn():
 
 
 def test_is_correction_settings():
-    cfg = load_config(overrides=["--is_correction=sequence", "--is_mode=mask", "--is_cap=5"])
-    assert (cfg.is_correction, cfg.is_mode, cfg.is_cap) == ("sequence", "mask", 5.0)
-    with pytest.raises(ConfigError, match="is_mode='clip'; choose one of"):
-        load_config(overrides=["--is_mode=clip"])
+    cfg = load_config(overrides=["--is_correction=sequence_mask", "--is_cap=5"])
+    assert (cfg.is_correction, cfg.is_cap) == ("sequence_mask", 5.0)
+    with pytest.raises(ConfigError, match="is_correction='token'; choose one of"):
+        load_config(overrides=["--is_correction=token"])
     with pytest.raises(ConfigError, match="is_cap=1.0 must be > 1"):
         load_config(overrides=["--is_cap=1"])
 

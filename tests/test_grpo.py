@@ -545,7 +545,7 @@ def test_dynamic_sampling_logs_and_feeds_every_group_drawn(tmp_path):
 def test_each_is_correction_mode_trains(tmp_path, monkeypatch, level, mode):
     """R2: the HF engine samples from the trainer's own distribution, so rho = 1 up to float noise:
     every weight is ~1 and nothing is limited, in each mode; the loop runs and logs the weights.
-    The weights are made at the run's level, with its is_cap and is_mode at either level."""
+    The weights are made at the run's level, with its is_cap and action at either level."""
     calls, weights = [], grpo.sampler_is_weights
 
     def recorded(*args, **kwargs):
@@ -554,8 +554,8 @@ def test_each_is_correction_mode_trains(tmp_path, monkeypatch, level, mode):
 
     monkeypatch.setattr(grpo, "sampler_is_weights", recorded)
     grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
-               "--engine=hf", "--max_steps=2", "--eval_every=0", f"--is_correction={level}",
-               f"--is_mode={mode}", "--is_cap=5"])
+               "--engine=hf", "--max_steps=2", "--eval_every=0", f"--is_correction={level}_{mode}",
+               "--is_cap=5"])
     assert calls and set(calls) == {(level, 5.0, mode)}
     for m in read_jsonl(tmp_path / "metrics.jsonl"):
         assert m["is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and m["is_limited_frac"] == 0.0
