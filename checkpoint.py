@@ -306,7 +306,7 @@ FREE_SETTINGS = (
     "eval_every", "eval_n", "eval_in_run_sampled", "eval_tasks", "test_size", "sample_every",
     "sample_groups", "report_to",
     # the machine and the engine: the same numbers, computed elsewhere or faster (R1, O3, O5, L6)
-    "engine", "device", "dtype", "parallel", "vllm_tensor_parallel", "device_memory_gb",
+    "engine", "device", "dtype", "parallel", "vllm_tensor_parallel",
     "gpu_memory_utilization", "vllm_cpu_kv_cache_gb", "vllm_sleep_level",
     "micro_batch_tokens", "shared_prompt", "skip_zero_gradient", "tail_runs", "fused_logprobs",
     "chunked_logprobs", "gradient_checkpointing", "ref_offload",

@@ -172,9 +172,6 @@ class Config:
     parallel: str = "fsdp"  # "fsdp": FSDP2, weights, grads, AdamW state sharded | "ddp": copies
     vllm_tensor_parallel: int = 1  # R1: ranks sharing a vLLM engine (big models); 1 = one per rank
 
-    # ---- pre-flight (O6) ----
-    device_memory_gb: float = 0.0  # O6: GPU memory to plan against; 0 = read it from the device
-
     # ---- derived: computed by derive(), never set by hand ----
     prompts_per_step: int = field(default=0, init=False)  # batch_size // group_size
     shaping: dict = field(default_factory=dict, init=False)  # W2-W3 settings: shape_reward's kwargs
@@ -219,6 +216,8 @@ DELETED = {
     "wandb_project": ("", "--report_to=wandb logs to wandb, the project named by the WANDB_PROJECT "
                           "environment variable (as under TRL), else 'grpo'"),
     "tensorboard": (False, "--report_to=tensorboard writes tensorboard events to out_dir/tb"),
+    "device_memory_gb": (0.0, "a run plans against its own GPU; against another, python "
+                              "preflight.py --config RUN_FILE --device_memory_gb=80"),
     "is_mode": ("truncate", "is_correction names the level and what is done past the cap, as "
                             "TRL's vllm_importance_sampling_mode: token_truncate, token_mask, "
                             "sequence_truncate or sequence_mask"),

@@ -210,10 +210,11 @@ def memory_table(cfg, est):
     return "\n".join(lines)
 
 
-def device_memory_gib(cfg):
-    """Total memory of the GPU to plan against, or None on a CPU-only machine."""
-    if cfg.device_memory_gb:
-        return cfg.device_memory_gb
+def device_memory_gib(device_gb=None):
+    """Total memory of the GPU to plan against: device_gb if given, else this machine's first
+    GPU's, or None on a CPU-only machine."""
+    if device_gb:
+        return device_gb
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory / 2**30
     return None

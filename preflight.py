@@ -8,6 +8,7 @@ completion against the model's context.
 Where the weights come from (the folders built here, the hub, the engine): model_files.py.
 """
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -78,9 +79,10 @@ def check_cache_switch(cfg):
         raise ConfigError(f"gradient_checkpointing with shared_prompt {CHECKPOINT_CACHE_HINT}")
 
 
-def preflight(cfg):
+def preflight(cfg, device_gb=None):
     """O6: fail if the KV cache, a prompt and its completion, one update or the vLLM share cannot
-    fit; print the memory estimate."""
+    fit; print the memory estimate. device_gb: a GPU's GiB to plan against (`python preflight.py
+    --device_memory_gb=80`); None: this machine's GPU, if it has one."""
     check_cache_switch(cfg)
     check_kv_cache(cfg)
     shape = model_shape(cfg.model)
@@ -89,7 +91,7 @@ def preflight(cfg):
         return None
     check_context(cfg, shape)
     est = estimate_memory(cfg, shape)
-    total = device_memory_gib(cfg)
+    total = device_memory_gib(device_gb)
     resident, update = resident_memory(est), update_peak(est)
     if total is None:
         if update > CPU_RUN_GIB and cfg.device != "cpu":
@@ -122,8 +124,11 @@ def preflight(cfg):
 
 
 if __name__ == "__main__":  # python preflight.py --config RUN_FILE [--device_memory_gb=80]
+    plan = argparse.ArgumentParser(add_help=False)
+    plan.add_argument("--device_memory_gb", type=float, default=None)  # a GPU this machine lacks
+    args, argv = plan.parse_known_args(sys.argv[1:])
     try:
-        cfg = config_from_argv(sys.argv[1:])
+        cfg = config_from_argv(argv)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     for f in dataclasses.fields(cfg):
@@ -131,11 +136,11 @@ if __name__ == "__main__":  # python preflight.py --config RUN_FILE [--device_me
     shape = model_shape(cfg.model)
     if shape is None:
         print(f"cannot read {cfg.model}'s config.json")
-    elif device_memory_gib(cfg) is None:  # no GPU here and none named: the table alone
+    elif device_memory_gib(args.device_memory_gb) is None:  # no GPU here, none named: the table
         print(memory_table(cfg, estimate_memory(cfg, shape)))
     else:
         try:
-            preflight(cfg)
+            preflight(cfg, args.device_memory_gb)
         except ConfigError as e:
             print(f"config error: {e}")
             sys.exit(1)

@@ -73,7 +73,7 @@ def test_memory_estimate_of_the_3b_run_hand_worked(capsys):
     peak = 20 * n + max(4 * n, micro_batch)  # + the gradients
     assert memory.update_peak(est) * gib == pytest.approx(peak, rel=1e-12)
     assert 73 < peak / gib < 74
-    preflight.preflight(load_config(path, ["--device_memory_gb=80"]))
+    preflight.preflight(load_config(path), device_gb=80)
     table = capsys.readouterr().out
     assert "  weights         11.50  fp32 master weights (model.load_policy)" in table
     assert "  update peak     73.66  resident + grads + max(adam_step, weight_copies" in table
@@ -92,28 +92,26 @@ def test_lora_and_offloaded_reference_terms():
 
 def test_memory_check_against_the_device(tmp_path, capsys):
     path = os.path.join(ROOT, "config", "countdown_3b.py")
-    est = preflight.preflight(load_config(path, ["--device_memory_gb=80"]))
+    est = preflight.preflight(load_config(path), device_gb=80)
     assert 11 < est["weights"] < 12  # 3.09B fp32 master weights
     assert "update peak" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="one update needs .* lower micro_batch_tokens"):
-        preflight.preflight(load_config(path, ["--device_memory_gb=40"]))
+        preflight.preflight(load_config(path), device_gb=40)
     with pytest.raises(ConfigError, match="lower gpu_memory_utilization"):
-        preflight.preflight(load_config(path,
-                                        ["--device_memory_gb=80", "--gpu_memory_utilization=0.6"]))
+        preflight.preflight(load_config(path, ["--gpu_memory_utilization=0.6"]), device_gb=80)
 
 
 def test_the_24gb_run_file_fits_a_24gb_device(capsys):
     """config/countdown_3b_24gb.py passes pre-flight for 24 GiB: the update and, beside it asleep,
     vLLM's share with the trainer's resident state; the full fine-tuning run file does not."""
     path = os.path.join(ROOT, "config", "countdown_3b_24gb.py")
-    cfg = load_config(path, ["--device_memory_gb=24"])
-    est = preflight.preflight(cfg)
+    est = preflight.preflight(load_config(path), device_gb=24)
     assert memory.update_peak(est) < 0.95 * 24
     assert 0.35 * 24 + memory.resident_memory(est) < 0.95 * 24
     assert "pre-flight: device 24.0 GiB" in capsys.readouterr().out
     with pytest.raises(ConfigError):
-        preflight.preflight(load_config(os.path.join(ROOT, "config", "countdown_3b.py"),
-                                        ["--device_memory_gb=24"]))
+        preflight.preflight(load_config(os.path.join(ROOT, "config", "countdown_3b.py")),
+                            device_gb=24)
 
 
 def test_unknown_model_skips_the_estimate_with_a_note(capsys):
@@ -150,7 +148,7 @@ def test_fsdp_memory_estimate_is_sharded(monkeypatch):
     # the gathered head is bf16 already: no copy, the fp32 gradient and the chunks
     assert fsdp["head"] * gib == 4 * 151936 * 2048 + 14 * 883 * 151936
     # sharded over 8 ranks, the update that one process cannot fit on a 40 GB card fits
-    preflight.preflight(load_config(path, ["--device_memory_gb=40"]))
+    preflight.preflight(load_config(path), device_gb=40)
 
 
 def test_a_gpu_sized_run_on_a_cpu_asks_for_device_cpu(monkeypatch):

@@ -310,8 +310,7 @@ def test_gsm8k_task_and_run_file_on_a_local_parquet(tmp_path):
     path = write_dataset(tmp_path, "datasets_files", rows)
     cfg, task = setup(f"--data_path={path}", "--data_name=",
                       path=os.path.join(ROOT, "config", "gsm8k_3b.py"))
-    preflight.preflight(load_config(os.path.join(ROOT, "config", "gsm8k_3b.py"),
-                                    ["--device_memory_gb=80"]))
+    preflight.preflight(load_config(os.path.join(ROOT, "config", "gsm8k_3b.py")), device_gb=80)
     train, test = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
     # the dataset's own splits (train_size 7473 caps nothing here)
     assert len(train) == 50 and len(test) == 10
@@ -562,9 +561,9 @@ def test_the_base_model_template_trains_on_the_tiny_model(tmp_path):
 
 def test_the_base_run_file_passes_preflight():
     path = os.path.join(ROOT, "config", "countdown_3b_base.py")
-    cfg, task = setup("--device_memory_gb=80", path=path)
+    cfg, task = setup(path=path)
     # 3.09B fp32 master weights
-    assert preflight.preflight(cfg)["weights"] == pytest.approx(11.5, abs=0.1)
+    assert preflight.preflight(cfg, device_gb=80)["weights"] == pytest.approx(11.5, abs=0.1)
     check_task_output(task, load_problems(cfg, task, "train")[:5], cfg)
 
 
