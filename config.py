@@ -96,7 +96,7 @@ class Config:
     vllm_cpu_kv_cache_gb: int = 1  # R1: KV cache of vLLM on a CPU (VLLM_CPU_KVCACHE_SPACE), GiB
     vllm_sleep_level: int = 2  # R1: GPU sleep: 1 offloads weights to CPU, 2 drops them; 0 = none
     # R2: weight pi_old / q (q: the sampler's) per token or per completion; a weight past the cap
-    # is cut to it ("truncate", TIS) or dropped ("mask"). TRL's vllm_importance_sampling_mode names
+    # is cut to it ("truncate", TIS) or dropped ("mask"). The names are TRL's IS modes'
     is_correction: str = "off"  # R2: "token_truncate" | "token_mask" | "sequence_*" | "off"
     is_cap: float = 2.0  # R2: cap on rho, a token's or a completion's (TRL's clip_max: 3 for both)
     is_floor: float = 0.0  # R2, R8: the band's floor: below it raised (truncate) or out; 0 = none

@@ -142,8 +142,7 @@ def make_engine(cfg, path, device, policy, tokenizer, task=None):
     if cfg.tools:  # multi-turn rollouts: the model may run Python mid-completion, in the sandbox
         run = functools.partial(run_python, timeout=cfg.tool_timeout,
                                 max_output=cfg.tool_output_chars)
-        engine = ToolEngine(engine, tokenizer, cfg.max_tool_calls, run,
-                            cfg.tool_tags)
+        engine = ToolEngine(engine, tokenizer, cfg.max_tool_calls, run, cfg.tool_tags)
     if task is not None and task.episodic:  # an environment (or TOOLS) answers each model turn
         engine = EpisodeEngine(engine, tokenizer, cfg.max_turns, cfg.env_timeout, cfg.env_reward)
     return engine, name
