@@ -45,7 +45,7 @@ class Config:
     eval_tasks: str = ""  # M2: more eval sets, e.g. "gsm8k_test.jsonl,tasks/larger.py"; "" = none
     sample_every: int = 10  # W6: dump whole groups to out_dir/samples.jsonl every N steps; 0 = off
     sample_groups: int = 2  # W6: groups per dump
-    report_to: str = "none"  # M1: loggers beside metrics.jsonl, as TRL: "wandb,tensorboard" | "all"
+    report_to: str = "none"  # M1: more loggers, TRL's names: "wandb", "tensorboard", both, "all"
 
     # ---- task and data (D1-D3) ----
     task: str = "math"  # D1: tasks/'s (math, countdown, code, ...), a .py file or a data file
@@ -214,7 +214,8 @@ DELETED = {
     "push_bucket_mb": (256, "weights go to vLLM in buckets of 256 MB (model.push_weights_iter's "
                             "bucket_mb)"),
     "wandb_project": ("", "--report_to=wandb logs to wandb, the project named by the WANDB_PROJECT "
-                          "environment variable (as under TRL), else 'grpo'"),
+                          "environment variable (as under TRL), else 'grpo'; set it to the old "
+                          "wandb_project to go on with a resumed run's wandb run"),
     "tensorboard": (False, "--report_to=tensorboard writes tensorboard events to out_dir/tb"),
     "device_memory_gb": (0.0, "a run plans against its own GPU; against another, python "
                               "preflight.py --config RUN_FILE --device_memory_gb=80"),
@@ -229,7 +230,7 @@ MERGED = {"kl_band": ("kl_low", "kl_high"),
 for _now, _pair in MERGED.items():  # each old name's entry: its default, what holds it now
     _defaults = Config.__dataclass_fields__[_now].default
     DELETED.update({old: (default, f"{_now} = ({', '.join(_pair)}) holds both, e.g. "
-                                   f"--{_now}={','.join(map(str, _defaults))}")
+                                   f"--{_now}='{','.join(map(str, _defaults))}'")
                     for old, default in zip(_pair, _defaults)})
 CHOICES = {
     "adv_scale": ("group", "batch", "none"), "adv_baseline": ("mean", "leave-one-out"),
@@ -279,10 +280,13 @@ REPORTERS = ("wandb", "tensorboard")  # M1: the loggers report_to may name
 
 
 def reporters(text):
-    """report_to's loggers, as TRL reads it: "none", "all", or names joined by commas."""
+    """report_to's loggers: TRL's names ("none"; "all": those installed, as transformers reads it),
+    several joined by commas."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if names == ["all"]:
-        return REPORTERS
+        import importlib.util
+
+        return tuple(name for name in REPORTERS if importlib.util.find_spec(name) is not None)
     unknown = [name for name in names if name not in REPORTERS + ("none",)]
     need(not unknown and ("none" not in names or names == ["none"]),
          f"report_to={text!r}: name loggers from {', '.join(REPORTERS)} (comma-separated), "
@@ -701,7 +705,7 @@ def validate(cfg):
     tags = cfg.tool_tags
     need(len(tags) == 2 and all(tags) and tags[1] not in tags[0],
          f"tool_tags={tags!r}: two non-empty tags, open and close, and the close not "
-         "inside the open (generation stops at the close), e.g. --tool_tags=<python>,</python>")
+         "inside the open (generation stops at the close), e.g. --tool_tags='<python>,</python>'")
     need(cfg.tool_timeout > 0, f"tool_timeout={cfg.tool_timeout} must be > 0 seconds (a call past "
                                "it is killed); 5 is usual")
     need(cfg.max_turns >= 1, f"max_turns={cfg.max_turns}: an episode has at least one model turn")
@@ -752,6 +756,10 @@ def check_machine(cfg):
 
 def warn_misleading(cfg):
     """Settings that run but do not do what their name suggests: warn, saying what to change."""
+    if cfg.tools and any("\\n" in tag for tag in cfg.tool_tags):  # the shell took the quotes
+        warnings.warn(f"tool_tags={cfg.tool_tags!r} hold a backslash and an n, not a newline, so "
+                      "the model's calls may never match; on a command line quote the tags: "
+                      """--tool_tags='"```python\\n","\\n```\\n"'""")
     if cfg.ratio_level == "sequence":  # L8, GSPO
         if cfg.loss_agg == "token-mean":
             warnings.warn("ratio_level='sequence' (GSPO) with loss_agg='token-mean' weighs each "

@@ -123,9 +123,18 @@ def preflight(cfg, device_gb=None):
     return est
 
 
+def gib(text):
+    """--device_memory_gb's value: a GPU's size in GiB, finite and above 0."""
+    size = float(text)
+    if not 0 < size < float("inf"):
+        raise ValueError(text)
+    return size
+
+
 if __name__ == "__main__":  # python preflight.py --config RUN_FILE [--device_memory_gb=80]
-    plan = argparse.ArgumentParser(add_help=False)
-    plan.add_argument("--device_memory_gb", type=float, default=None)  # a GPU this machine lacks
+    # a GPU this machine lacks; allow_abbrev off: --device=cpu is a setting, not this flag cut short
+    plan = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    plan.add_argument("--device_memory_gb", type=gib, default=None)
     args, argv = plan.parse_known_args(sys.argv[1:])
     try:
         cfg = config_from_argv(argv)

@@ -152,7 +152,7 @@ def test_fsdp_memory_estimate_is_sharded(monkeypatch):
 
 
 def test_a_gpu_sized_run_on_a_cpu_asks_for_device_cpu(monkeypatch):
-    monkeypatch.setattr(preflight, "device_memory_gib", lambda cfg: None)  # a machine without a GPU
+    monkeypatch.setattr(preflight, "device_memory_gib", lambda device_gb=None: None)  # no GPU here
     path = os.path.join(ROOT, "config", "countdown_3b.py")
     with pytest.raises(ConfigError,
                        match=r"needs ~\d+ GiB: it is sized for a GPU.*pass --device=cpu"):
@@ -178,10 +178,14 @@ def test_preflight_cli_prints_the_table():
     assert rows.pop("update peak") == pytest.approx(memory.update_peak(est), abs=0.005)
     assert rows.pop("resident") == pytest.approx(memory.resident_memory(est), abs=0.005)
     assert rows == pytest.approx(est, abs=0.005)
-    small = subprocess.run(cmd + ["--device_memory_gb=40"], capture_output=True, text=True,
-                           cwd=ROOT, timeout=120)
-    assert small.returncode == 1
+    small = subprocess.run(cmd + ["--device_memory_gb=40", "--device=cpu"], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120)
+    assert small.returncode == 1, small.stderr  # --device is a setting, not the flag cut short
+    assert "device                   = 'cpu'" in small.stdout
     assert "config error: one update needs ~73.7 GiB of 40.0" in small.stdout
+    nan = subprocess.run(cmd + ["--device_memory_gb=nan"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert nan.returncode == 2 and "invalid gib value: 'nan'" in nan.stderr
 
 
 def test_a_context_beyond_the_models_fails(tmp_path):

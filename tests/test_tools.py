@@ -335,6 +335,12 @@ def test_tool_tags_from_the_command_line():
     assert load_config(overrides=["--tool_tags=<tool>,</tool>"]).tool_tags == ("<tool>", "</tool>")
     fence = load_config(overrides=[r"--tool_tags='```python\n','\n```\n'"])
     assert fence.tool_tags == ("```python\n", "\n```\n")
+    # as a shell passes --tool_tags='"```python\n","\n```\n"': the tags hold real newlines
+    assert load_config(overrides=['--tool_tags="```python\\n","\\n```\\n"']).tool_tags == (
+        "```python\n", "\n```\n")
+    # what an unquoted command line gives: a backslash and an n, which the model never writes
+    with pytest.warns(UserWarning, match="hold a backslash and an n, not a newline"):
+        load_config(overrides=["--tools=true", r"--tool_tags=```python\n,\n```\n"])
 
 
 def test_the_tool_run_file_passes_preflight():
