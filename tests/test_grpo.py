@@ -575,9 +575,9 @@ def test_the_parity_warning_bound_is_the_compute_dtypes(capsys, dtype, warns):
 
 
 def test_report_to_sends_each_step_to_the_loggers_it_names(tmp_path, monkeypatch):
-    """report_to=all: wandb under $WANDB_PROJECT (TRL's way) with the run's id, so a resume goes
-    on with the same wandb run, and tensorboard in out_dir/tb, each step's numbers; "none" neither.
-    Neither package is needed: stand-ins record what the Logger asks of them."""
+    """report_to=wandb,tensorboard: wandb under $WANDB_PROJECT (TRL's way) with the run's id, so a
+    resume goes on with the same wandb run, and tensorboard in out_dir/tb, each step's numbers;
+    "none" neither. Neither package is needed: stand-ins record what the Logger asks of them."""
     import types
 
     calls = []
@@ -598,10 +598,11 @@ def test_report_to_sends_each_step_to_the_loggers_it_names(tmp_path, monkeypatch
     metrics = {"step": 3, "reward": 0.5, "time/step": 1.0, "note": "text"}
     log.Logger(config.Config(out_dir=str(tmp_path), report_to="none"), "run-1").log(metrics)
     assert calls == []
-    log.Logger(config.Config(out_dir=str(tmp_path), report_to="all"), "run-1").log(metrics)
+    both = config.Config(out_dir=str(tmp_path), report_to="wandb,tensorboard")
+    log.Logger(both, "run-1").log(metrics)
     (_, init), tb, logged, *scalars = calls
     assert init["project"] == "countdown" and init["id"] == "run-1" and init["resume"] == "allow"
-    assert init["config"]["report_to"] == "all"
+    assert init["config"]["report_to"] == "wandb,tensorboard"
     assert tb == ("tb", str(tmp_path / "tb")) and logged == ("log", 3, metrics)
     assert scalars == [("scalar", k, metrics[k], 3) for k in ("step", "reward", "time/step")]
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2  # metrics.jsonl whatever report_to says
