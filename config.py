@@ -564,9 +564,9 @@ def upgrade(saved):
         weights.update({k.removesuffix("_weight"): saved[k] for k in old
                         if saved[k] != DELETED[k][0]})
         saved["reward_weights"] = ",".join(f"{k}:{v}" for k, v in weights.items())
-    for now, (low, high) in MERGED.items():
-        if low in saved:
-            saved[now] = [saved[low], saved[high]]
+    for now, (first, second) in MERGED.items():
+        if first in saved:
+            saved[now] = [saved[first], saved[second]]
     return saved
 
 

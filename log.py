@@ -138,14 +138,15 @@ class Logger:
         self.max_steps = cfg.max_steps
         self.step_seconds = []  # this process's steps, for the time left
         self.wandb = self.tb = None
-        if "wandb" in reporters(cfg.report_to):
+        loggers = reporters(cfg.report_to)
+        if "wandb" in loggers:
             import wandb
 
             # the project is named by WANDB_PROJECT, as under TRL; run_id is kept in every
             # checkpoint, so a resumed run continues the same wandb run
             self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo"), id=run_id,
                                     config=dataclasses.asdict(cfg), resume="allow")
-        if "tensorboard" in reporters(cfg.report_to):
+        if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(cfg.out_dir, "tb"))

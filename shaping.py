@@ -28,6 +28,8 @@ def shape_reward(c, length, *, weights=None, wrong_penalty=0.0, unparsed_penalty
     Example: correct, well formatted, 100 tokens, defaults -> 1.1.
     """
     weights = {**WEIGHTS, **(weights or {})}
+    # correct and format first, whatever order the task's dict has: the sum's float rounding is
+    # the same in every task, and a fixed-seed run's rewards stay what they were
     reward = weights["correct"] * c.get("correct", 0.0) + weights["format"] * c.get("format", 0.0)
     reward += sum(weights.get(k, 1.0) * v for k, v in c.items()
                   if k not in ("correct", "format", "parsed"))
