@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+# A2: the std is floored at this before dividing, and zero_std_groups' threshold: 1e-4, the GRPO
+# recipe's (TRL adds 1e-4 to the std, verl 1e-6; neither makes it a setting)
+STD_FLOOR = 1e-4
+
 
 @dataclass(frozen=True)
 class AdvantageSettings:
@@ -17,7 +21,6 @@ class AdvantageSettings:
     the two equal). A run passes its Config, which has every one; a test or a fork builds one."""
     adv_baseline: str = "mean"
     adv_scale: str = "group"
-    adv_std_floor: float = 1e-4
     adv_zero_std_groups: bool = False
     adv_clip: float = 0.0
 
@@ -39,13 +42,13 @@ def group_advantages(rewards, group_size, settings=AdvantageSettings(), *, batch
               "leave-one-out" (RLOO, Ahmadian et al. 2024) -> b_i = the mean of the other G - 1
               rewards; r_i - b_i = G / (G - 1) * (r_i - mean): GRPO's centred reward, scaled up
     scale:    "group" (A1, the GRPO paper's z-score) -> / max(std of the group's rewards,
-              std_floor) (A2; TRL's std + 1e-4 agrees to ~2e-4: the code says where).
+              STD_FLOOR) (A2; TRL's std + 1e-4 agrees to ~2e-4: the code says where).
               "batch" (TRL scale_rewards="batch") -> / max(std of every reward in the batch,
-              std_floor): TRL's, the unbiased std of the whole batch's raw rewards over all
-              processes (batch_sum), floored at std_floor where TRL adds 1e-4 to it. Not
+              STD_FLOOR): TRL's, the unbiased std of the whole batch's raw rewards over all
+              processes (batch_sum), floored at STD_FLOOR where TRL adds 1e-4 to it. Not
               REINFORCE++-baseline's whitening (token-level, verl).
               "none" (A1, Dr. GRPO: no std division) -> as it is
-    zero_std_groups: groups whose reward std < std_floor get advantage 0 (A2, a common variant).
+    zero_std_groups: groups whose reward std < STD_FLOOR get advantage 0 (A2, a common variant).
     clip:     clamp to [-clip, clip] after normalising; 0 = off (A3).
     batch_sum: with scale="batch" under torchrun, a function that sums a number over the ranks
               (parallel.all_sum), so the std is the global batch's; None = these rewards alone.
@@ -60,14 +63,14 @@ def group_advantages(rewards, group_size, settings=AdvantageSettings(), *, batch
       "leave-one-out" [2, -2/3, -2/3, -2/3]    [2, -2/3, -2/3, -2/3]    [1, -1/3, -1/3, -1/3]
     (The batch is this one group, so "batch" is "group"; leave-one-out is "mean" times G / (G - 1).)
     """
-    baseline, scale, std_floor = settings.adv_baseline, settings.adv_scale, settings.adv_std_floor
+    baseline, scale = settings.adv_baseline, settings.adv_scale
     zero_std_groups, clip = settings.adv_zero_std_groups, settings.adv_clip
     groups = _groups(rewards, group_size)  # (P, G)
     if baseline not in ("mean", "leave-one-out") or scale not in ("group", "batch", "none"):
         raise ValueError(f"baseline must be 'mean' or 'leave-one-out' and scale 'group', 'batch' "
                          f"or 'none', got {baseline!r}, {scale!r}")
     if groups.isnan().any():  # TRL's unscored completions
-        adv = scored_only(groups, baseline, scale, std_floor, zero_std_groups, batch_sum)
+        adv = scored_only(groups, baseline, scale, zero_std_groups, batch_sum)
         return (adv.clamp(-clip, clip) if clip > 0 else adv).reshape(-1)
     mean = groups.mean(dim=1, keepdim=True)  # (P, 1)
     # Unbiased (Bessel, divide by G-1) std, as TRL and verl use; the paper does not say which.
@@ -79,12 +82,12 @@ def group_advantages(rewards, group_size, settings=AdvantageSettings(), *, batch
     if scale == "group":
         # A2: a floor rather than "+ eps", so a std of 1e-6 cannot blow a 1e-6 reward gap up to 1.
         # TRL divides by std + 1e-4: for a 0/1 group of 4 with one success the same to 2e-4 (1.5
-        # here, 1.4997 there); they differ most at std = std_floor, where TRL's is half this
+        # here, 1.4997 there); they differ most at std = STD_FLOOR, where TRL's is half this
         # (1e-4 + 1e-4), and far below it agree again (both ~/ 1e-4)
-        adv = adv / std.clamp(min=std_floor)
+        adv = adv / std.clamp(min=STD_FLOOR)
     elif scale == "batch":
         # the std of the rewards, not of the centred r - b (those are smaller with a group baseline)
-        adv = adv / batch_std(groups, batch_sum).clamp(min=std_floor)
+        adv = adv / batch_std(groups, batch_sum).clamp(min=STD_FLOOR)
     # A group whose rewards are all equal carries no signal: exactly 0. The formula alone gives ~0
     # in float32: mean(eight rewards of 1.05) is one ulp off 1.05, so r - mean is ~1e-7 and the
     # 1e-4 floor turns it into 1.2e-3 (TRL, which adds 1e-4 to the std, gives the same).
@@ -93,13 +96,13 @@ def group_advantages(rewards, group_size, settings=AdvantageSettings(), *, batch
     if zero_std_groups:
         # A2: groups of equal rewards are 0 either way (above); this only changes groups of
         # nearly-equal continuous rewards, whose tiny differences are usually noise.
-        adv = torch.where(std < std_floor, torch.zeros_like(adv), adv)
+        adv = torch.where(std < STD_FLOOR, torch.zeros_like(adv), adv)
     if clip > 0:
         adv = adv.clamp(-clip, clip)  # A3: after normalising, so the bound is in std units
     return adv.reshape(-1)
 
 
-def scored_only(groups, baseline, scale, std_floor, zero_std_groups, batch_sum):
+def scored_only(groups, baseline, scale, zero_std_groups, batch_sum):
     """group_advantages' (P, G) advantages over each group's scored (non-NaN) rewards only."""
     scored = ~groups.isnan()  # (P, G)
     count = scored.sum(dim=1, keepdim=True)  # (P, 1)
@@ -113,14 +116,14 @@ def scored_only(groups, baseline, scale, std_floor, zero_std_groups, batch_sum):
     centred = torch.where(scored, r - mean, 0.0)
     std = (centred.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
     if scale == "group":
-        adv = adv / std.clamp(min=std_floor)
+        adv = adv / std.clamp(min=STD_FLOOR)
     elif scale == "batch":
-        adv = adv / batch_std(groups[scored], batch_sum).clamp(min=std_floor)
+        adv = adv / batch_std(groups[scored], batch_sum).clamp(min=STD_FLOOR)
     lowest = torch.where(scored, groups, math.inf).amin(dim=1, keepdim=True)
     highest = torch.where(scored, groups, -math.inf).amax(dim=1, keepdim=True)
     keep = scored & (count > 1) & (highest > lowest)  # a signal, on a scored row
     if zero_std_groups:
-        keep = keep & (std >= std_floor)
+        keep = keep & (std >= STD_FLOOR)
     return torch.where(keep, adv, torch.zeros_like(adv))
 
 

@@ -318,7 +318,8 @@ RUN_SETTINGS = tuple(f.name for f in dataclasses.fields(Config)
 # deleted settings (config.DELETED) that changed what a run learns and no setting holds now: a
 # checkpoint saved with one off the default it had would go on as another run (the others are
 # compared as the setting that holds them: config.upgrade)
-DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "kl_up", "kl_down", "length_penalty_tokens")
+DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "kl_up", "kl_down", "length_penalty_tokens",
+                        "length_penalty", "adv_std_floor")
 
 
 def changed_settings(cfg, saved):

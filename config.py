@@ -63,8 +63,7 @@ class Config:
     # ---- rewards (W2, W3) ----
     wrong_penalty: float = 0.0  # W2: added to a parsed but wrong answer (small, e.g. -0.1); 0 = off
     unparsed_penalty: float = -0.2  # W2: added to no well-formed answer (larger, -0.5); 0 = off
-    length_soft_limit: int = 0  # W3: completion tokens past which length_penalty applies; 0 = off
-    length_penalty: float = 0.05  # W3: minus this per 32 tokens begun past the limit
+    length_soft_limit: int = 0  # W3: past this many completion tokens, -0.05 per 32 begun; 0 = off
     length_min: int = 0  # W3: completions shorter than this many tokens score 0; 0 = off
     # "correct": a right answer (code: the share of tests passed), weight 1; "format": the
     # <think>..</think><answer>..</answer> layout, 0.1; a task's own: its WEIGHTS, else 1
@@ -123,8 +122,7 @@ class Config:
     # ---- advantages (A1-A3) ----
     adv_baseline: str = "mean"  # A1: "mean" of the group (GRPO) | "leave-one-out": others' (RLOO)
     adv_scale: str = "group"  # A1: / std of the "group", of the "batch" (TRL), or "none" (Dr. GRPO)
-    adv_std_floor: float = 1e-4  # A2: the std is floored at this before dividing
-    adv_zero_std_groups: bool = False  # A2: groups with std < adv_std_floor get advantage 0
+    adv_zero_std_groups: bool = False  # A2: groups with std < 1e-4 (its floor) get advantage 0
     adv_clip: float = 0.0  # A3: clamp to +-this after normalising (5 binary, 3 continuous); 0 = off
 
     # ---- loss (L1-L8) ----
@@ -187,8 +185,7 @@ class Config:
 # the bound sits above that, below a temperature mismatch or weights several steps stale.
 PARITY_WARN = {"float32": 1e-3, "bfloat16": 0.1}
 
-REWARD_KEYS = ("wrong_penalty", "unparsed_penalty", "length_soft_limit", "length_penalty",
-               "length_min")
+REWARD_KEYS = ("wrong_penalty", "unparsed_penalty", "length_soft_limit", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
 RENAMED = {"eval_k": ("eval_n", "samples per eval problem, for avg@n, pass@k and maj@n")}
 # settings deleted (dev/LOG.md says why): (the default they had, what to write instead). The
@@ -204,8 +201,12 @@ DELETED = {
     "kl_down": (0.8, "adaptive KL multiplies beta by 0.8 (loss.adaptive_kl_beta's `down`)"),
     "parity_warn": (0.0, "the sampler-trainer gap warns above a bound by compute dtype, "
                          "config.PARITY_WARN (1e-3 in fp32, 0.1 in bf16)"),
-    "length_penalty_tokens": (32, "length_penalty is per 32 tokens (shaping.shape_reward's "
+    "length_penalty_tokens": (32, "length shaping takes 0.05 per 32 tokens (shaping.shape_reward's "
                                   "length_penalty_tokens)"),
+    "length_penalty": (0.05, "length shaping takes 0.05 per 32 tokens past length_soft_limit, "
+                             "the GRPO recipe's (shaping.shape_reward's length_penalty)"),
+    "adv_std_floor": (1e-4, "the std is floored at 1e-4 (advantage.STD_FLOOR), as TRL adds 1e-4 "
+                            "to it"),
     "format_weight": (0.1, "the format component's weight is --reward_weights=format:W "
                            "(default 0.1)"),
     "correct_weight": (1.0, "the correct component's weight is --reward_weights=correct:W "
@@ -676,7 +677,7 @@ def validate(cfg):
                  "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha",
                  "test_size", "max_tool_calls", "tool_output_chars"):
         need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
-    for name in ("adv_std_floor", "adv_clip", "entropy_coef", "warmup_steps", "weight_decay",
+    for name in ("adv_clip", "entropy_coef", "warmup_steps", "weight_decay",
                  "grad_clip", "lora_rank", "length_soft_limit", "length_min",
                  "curriculum_ramp_steps", "save_every", "eval_every", "sample_every",
                  "sample_groups", "temperature_end", "dynamic_sampling_rounds",

@@ -138,7 +138,11 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
     assert changed_settings(changed, saved) == [("adv_clip", 0.0, 2.0)]
     # a deleted setting saved off its old default is named with what stands for it; at it, not
     assert changed_settings(load_config(), {**saved, "is_seq_cap": 3.0, "kl_up": 1.2,
-                                            "format_weight": 0.1}) == []
+                                            "format_weight": 0.1, "length_penalty": 0.05,
+                                            "adv_std_floor": 1e-4}) == []
+    steeper = changed_settings(load_config(), {**saved, "length_penalty": 0.1})
+    assert [(k, was) for k, was, _ in steeper] == [("length_penalty", 0.1)]
+    assert "0.05 per 32 tokens" in steeper[0][2]
     # one held by another setting now is compared as that setting (config.upgrade)
     assert changed_settings(load_config(), {**saved, "format_weight": 0.2}) == [
         ("reward_weights", "format:0.2", "")]
