@@ -176,14 +176,14 @@ def audit(task_name, argv=()):
 
 def audit_environment(task, problems, cfg):
     """The audit of a task whose reward is its environment's: each adversarial completion as the
-    model's first turn, in a fresh environment of each problem, under env_timeout. A failure: a
+    model's first turn, in a fresh environment of each problem, under tool_timeout. A failure: a
     call that raises, hangs or returns the wrong shape, or a turn that scores "correct"."""
     failures, calls = 0, 0
     for problem in problems:
         prompt = task.prompt(problem)
         prompt = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
         for name, text in audit_cases(prompt, None, None).items():
-            rewards = first_turn(task.environment, problem, text, cfg.env_timeout)
+            rewards = first_turn(task.environment, problem, text, cfg.tool_timeout)
             calls += 1
             if not isinstance(rewards, dict) or rewards.get("correct", 0.0) >= 1:
                 failures += 1

@@ -311,7 +311,7 @@ FREE_SETTINGS = (
     "micro_batch_tokens", "shared_prompt", "skip_zero_gradient", "tail_runs", "fused_logprobs",
     "chunked_logprobs", "gradient_checkpointing", "ref_offload",
     # the guards around outside code: deadlines, workers, the sandbox, the prompt's bound
-    "reward_timeout", "reward_workers", "tool_timeout", "env_timeout", "sandbox", "max_prompt_len",
+    "reward_timeout", "reward_workers", "tool_timeout", "sandbox", "max_prompt_len",
 )
 RUN_SETTINGS = tuple(f.name for f in dataclasses.fields(Config)
                      if f.init and f.name not in FREE_SETTINGS)

@@ -106,7 +106,9 @@ class Config:
     # ---- tool calls (multi-turn rollouts, tools.ToolEngine) ----
     tools: bool = False  # a completion may run Python; its output comes back; False = one turn
     max_tool_calls: int = 2  # tool calls per completion; the turn after the last may not call
-    tool_timeout: float = 5.0  # seconds a call may run in the sandbox; past it, killed and an error
+    # past it a tools=True call is killed (an error the model reads); an environment's or TOOLS'
+    # call ends its episode (scoring 0). A run has one kind of turns or the other, never both
+    tool_timeout: float = 5.0  # seconds one call may run: tools=True's, or a task's environment's
     tool_output_chars: int = 500  # a call's output is cut to this many characters (with a marker)
     # a call is the code between the two; generation stops at the second. A ```python block:
     # ("```python\n", "\n```\n")
@@ -117,7 +119,6 @@ class Config:
     # ---- episodes: a task file's environment(problem) or TOOLS (environment.py) ----
     max_turns: int = 4  # model turns per episode; the environment answers each but the last
     env_reward: str = "sum"  # an episode's reward: its turns' rewards summed, or the "last" one's
-    env_timeout: float = 5.0  # seconds one environment (or tool) call may run; past it, an error
 
     # ---- advantages (A1-A3) ----
     adv_baseline: str = "mean"  # A1: "mean" of the group (GRPO) | "leave-one-out": others' (RLOO)
@@ -205,6 +206,8 @@ DELETED = {
                                   "length_penalty_tokens)"),
     "length_penalty": (0.05, "length shaping takes 0.05 per 32 tokens past length_soft_limit, "
                              "the GRPO recipe's (shaping.shape_reward's length_penalty)"),
+    "env_timeout": (5.0, "tool_timeout is an environment's (or TOOLS') call's deadline too: a run "
+                         "has tools=True's calls or a task's turns, never both"),
     "adv_std_floor": (1e-4, "the std is floored at 1e-4 (advantage.STD_FLOOR), as TRL adds 1e-4 "
                             "to it"),
     "format_weight": (0.1, "the format component's weight is --reward_weights=format:W "
@@ -565,6 +568,8 @@ def upgrade(saved):
         weights.update({k.removesuffix("_weight"): saved[k] for k in old
                         if saved[k] != DELETED[k][0]})
         saved["reward_weights"] = ",".join(f"{k}:{v}" for k, v in weights.items())
+    if not saved.get("tools") and saved.get("env_timeout", 5.0) != 5.0:  # an episode's deadline
+        saved["tool_timeout"] = saved["env_timeout"]  # is tool_timeout now
     for now, (first, second) in MERGED.items():
         if first in saved:
             saved[now] = [saved[first], saved[second]]
@@ -708,11 +713,10 @@ def validate(cfg):
          f"tool_tags={tags!r}: two non-empty tags, open and close, and the close not "
          "inside the open (generation stops at the close), e.g. --tool_tags='<python>,</python>'")
     need(cfg.tool_timeout > 0, f"tool_timeout={cfg.tool_timeout} must be > 0 seconds (a call past "
-                               "it is killed); 5 is usual")
+                               "it fails); 5 is usual")
     need(cfg.max_turns >= 1, f"max_turns={cfg.max_turns}: an episode has at least one model turn")
     need(cfg.env_reward in ("sum", "last"), f"env_reward={cfg.env_reward!r}: 'sum' (the turns' "
                                              "rewards added) or 'last' (the last turn's)")
-    need(cfg.env_timeout > 0, f"env_timeout={cfg.env_timeout} must be > 0 seconds")
     warn_misleading(cfg)
     longest = cfg.max_prompt_len + cfg.max_completion_len
     need(cfg.micro_batch_tokens >= longest,

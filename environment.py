@@ -19,7 +19,7 @@ calls run. Either one comes from the task file:
                                    result comes back as a "tool" message; a turn without a call
                                    ends the episode, and reward() judges the whole completion.
                                    environment.python runs code in the sandbox; the others run in
-                                   this process, under env_timeout
+                                   this process, under tool_timeout
 
     python grpo.py --task=guess             # tasks/guess.py: a number to find, told higher/lower
     python grpo.py --task=calculator        # tasks/calculator.py: a calculator to write to
@@ -31,7 +31,7 @@ Its tokens are the chat template's own, found as TRL finds them: a dummy exchang
 without the messages, the difference taken from the end of the dummy assistant turn. The episode's
 rewards are summed over its turns (env_reward="sum") or the last one counts ("last"), and added to
 reward()'s components where the task defines reward() too. An environment that raises, returns the
-wrong type or runs past env_timeout seconds on one call ends its episode: the completion scores 0
+wrong type or runs past tool_timeout seconds on one call ends its episode: the completion scores 0
 and is counted in reward/errors, as a failed reward is; the run goes on.
 """
 
@@ -183,12 +183,12 @@ def first_turn(make_env, problem, action, timeout):
 
 
 def call(row, timeout, fn, *args):
-    """fn(*args) within `timeout` seconds (env_timeout); a failure ends the row's episode."""
+    """fn(*args) within `timeout` seconds (tool_timeout); a failure ends the row's episode."""
     begun = time.perf_counter()
     try:
         return within(timeout, fn, *args)
     except OutOfTime:
-        fail(row, "timeout", f"{getattr(fn, '__qualname__', fn)} ran past env_timeout={timeout} s")
+        fail(row, "timeout", f"{getattr(fn, '__qualname__', fn)} ran past tool_timeout={timeout} s")
     except Exception:
         fail(row, "error", traceback.format_exc())
     finally:
@@ -278,7 +278,7 @@ def python(code: str) -> str:
     Args:
         code: the program; print what you want to see
     """
-    # in the sandbox (sandbox.py), never in this process; its deadline inside env_timeout's default
+    # in the sandbox (sandbox.py), never in this process; its deadline inside tool_timeout's default
     output, ok = run_python(code, timeout=3.0, max_output=500)
     if not ok:  # raised, killed, or no sandbox here: the model reads why, the call counts as failed
         raise RuntimeError(output)
@@ -286,7 +286,7 @@ def python(code: str) -> str:
 
 
 class ToolCalls:
-    """TOOLS as an environment: the turn's calls run (in this process, under env_timeout for the
+    """TOOLS as an environment: the turn's calls run (in this process, under tool_timeout for the
     whole turn; python() in the sandbox), each result a tool message; a turn without a call ends the
     episode. A call that fails (an unknown name, bad arguments, the tool raised) gets its error as
     its result, and is counted in tools/error_rate; the episode goes on."""

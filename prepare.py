@@ -144,5 +144,5 @@ def make_engine(cfg, path, device, policy, tokenizer, task=None):
                                 max_output=cfg.tool_output_chars)
         engine = ToolEngine(engine, tokenizer, cfg.max_tool_calls, run, cfg.tool_tags)
     if task is not None and task.episodic:  # an environment (or TOOLS) answers each model turn
-        engine = EpisodeEngine(engine, tokenizer, cfg.max_turns, cfg.env_timeout, cfg.env_reward)
+        engine = EpisodeEngine(engine, tokenizer, cfg.max_turns, cfg.tool_timeout, cfg.env_reward)
     return engine, name

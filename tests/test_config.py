@@ -213,6 +213,10 @@ def test_an_older_config_is_read_in_todays_settings(tmp_path):
     # reward_weights could not weigh correct, format or parsed then: those entries had no effect
     older = config.upgrade({"format_weight": 0.1, "reward_weights": "format:0.5,parsed:1,brief:2"})
     assert older["reward_weights"] == "brief:2"
+    # an episode's deadline is tool_timeout's now; a tools=True run's env_timeout did nothing
+    assert config.upgrade({"tool_timeout": 5.0, "env_timeout": 9.0})["tool_timeout"] == 9.0
+    assert config.upgrade({"tools": True, "tool_timeout": 7.0, "env_timeout": 9.0})[
+        "tool_timeout"] == 7.0
 
 
 @pytest.mark.parametrize("override, match", [

@@ -359,7 +359,7 @@ def test_task_files_with_an_environment_or_tools_load_and_check(tmp_path):
     with pytest.raises(ConfigError, match="leave tools off"):
         load_task(load_config(overrides=[f"--task={path}", "--tools=true"]))
     for bad, message in (("--max_turns=0", "max_turns"), ("--env_reward=max", "env_reward"),
-                         ("--env_timeout=0", "env_timeout")):
+                         ("--tool_timeout=0", "tool_timeout")):
         with pytest.raises(ConfigError, match=message):
             load_config(overrides=[bad])
 
