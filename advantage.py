@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-# A2: the std is floored at this before dividing, and zero_std_groups' threshold: 1e-4, the GRPO
-# recipe's (TRL adds 1e-4 to the std, verl 1e-6; neither makes it a setting)
+# A2: the std is floored at this before dividing, and zero_std_groups' threshold: 1e-4, TRL's
+# epsilon used as a floor (TRL adds 1e-4 to the std, verl 1e-6; neither makes it a setting)
 STD_FLOOR = 1e-4
 
 

@@ -30,7 +30,7 @@ class Config:
     model: str = "smollm2-135m"  # HF name or folder; default: SmolLM2-135M-Instruct; "tiny": tests
     out_dir: str = "out/default"  # metrics, samples and checkpoints go here
     seed: int = 1337  # one seed for data order, sampling and init (D3)
-    max_steps: int = 30  # optimizer steps; also the length of the LR schedule (O1)
+    max_steps: int = 30  # training steps, a batch each; also the length of the LR schedule (O1)
     engine: str = "auto"  # R1: "vllm" | "hf" (transformers generate) | "auto": vllm where installed
     device: str = "auto"  # "cuda" | "cpu" | "auto" = cuda when available
     resume: bool = False  # go on from out_dir's newest whole checkpoint: same prompts, same metrics
@@ -147,7 +147,7 @@ class Config:
     ref_refresh_steps: int = 0  # F1: refresh the reference to the policy every N steps; 0 = never
 
     # ---- adaptive KL (F2) ----
-    adaptive_kl: bool = False  # F2: every kl_window steps, scale beta by the mean KL; False = fixed
+    adaptive_kl: bool = False  # F2: beta x 1.2 or 0.8 as the mean KL leaves kl_band; False = fixed
     kl_window: int = 20  # F2: steps between beta updates
     kl_band: tuple = (0.01, 0.08)  # F2: mean KL below the band: beta x 0.8, above: x 1.2
 
@@ -204,8 +204,8 @@ DELETED = {
                          "config.PARITY_WARN (1e-3 in fp32, 0.1 in bf16)"),
     "length_penalty_tokens": (32, "length shaping takes 0.05 per 32 tokens (shaping.shape_reward's "
                                   "length_penalty_tokens)"),
-    "length_penalty": (0.05, "length shaping takes 0.05 per 32 tokens past length_soft_limit, "
-                             "the GRPO recipe's (shaping.shape_reward's length_penalty)"),
+    "length_penalty": (0.05, "length shaping takes 0.05 per 32 tokens past length_soft_limit "
+                             "(shaping.shape_reward's length_penalty)"),
     "env_timeout": (5.0, "tool_timeout is an environment's (or TOOLS') call's deadline too: a run "
                          "has tools=True's calls or a task's turns, never both"),
     "adv_std_floor": (1e-4, "the std is floored at 1e-4 (advantage.STD_FLOOR), as TRL adds 1e-4 "

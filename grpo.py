@@ -17,21 +17,23 @@ Each step, as main() runs it, one named function a phase:
     adapt_beta           the KL weight follows the measured KL (F2)
     end_step             log (M1), the last step's eval (M2), checkpoint
 
-The ids in brackets (R1, L2, ...) are the rows of the README's Techniques table, each a setting in
-config.py.
+The ids in brackets (R1, L2, ...) are the rows of the README's Techniques table, most of them a
+setting in config.py.
 
 With async_rollouts (R8) a sampler process runs the first four, a batch ahead with weights an
 update older (async_rollouts.py); the trainer takes the batch and pushes its weights after each
 update.
 
-Where this departs from the GRPO paper (each is a setting in config.py):
+Where this departs from the GRPO paper (each a setting in config.py but the std's floor):
  1. Loss averaged over all response tokens of the batch (token-mean, L2) rather than per sequence
     first; the paper's seq-mean and Dr. GRPO's constant normaliser are options.
  2. No KL term by default (beta = 0, as TRL; DeepSeek-R1 used 0.001) rather than the paper's 0.04,
     so no reference model; beta > 0 brings it back (L4).
- 3. Group std is the unbiased one with a floor of 1e-4 (A2); the paper does not say.
+ 3. Group std is the unbiased one, floored at 1e-4 (advantage.STD_FLOOR, A2); the paper does not
+    say.
  4. One update per batch by default (num_iterations = 1, L7), so the ratio starts at exactly 1.
- 5. Weights kept in fp32 with bf16 autocast on a GPU, logprobs and loss in fp32 (L6, O5).
+ 5. Weights kept in fp32 with bf16 autocast where dtype is bfloat16 (a GPU, or a CPU with bf16
+    arithmetic), logprobs and loss in fp32 (L6, O5).
  6. A group whose rewards are all equal has advantage 0: its tokens count in the token-mean, as in
     TRL, and with no KL or entropy term no pass computes it (zero_gradient_rows, exact). DAPO's
     filter and refill (R7), clip-higher, overlong masking, GSPO's sequence-level ratio and length
@@ -422,7 +424,8 @@ def micro_batch_logprobs(model, ub, mb, cfg, temperature):
     L = int(ub.attention[mb].sum(1).max())
     ids, attention = ub.ids[mb, :L], ub.attention[mb, :L]
     # on by default: a group's G completions on one pass over their prompt, not G; the same
-    # logprobs as the padded forward below to fp32 rounding (perf/shared_prompt.py). Read that first
+    # logprobs as the padded forward_logprobs below to fp32 rounding (perf/shared_prompt.py). Read
+    # forward_logprobs first
     if cfg.shared_prompt:
         return shared_prompt.shared_prompt_logprobs(model, ids, attention, ub.prompt_lens[mb],
                                                     ub.groups[mb], temperature, cfg)
@@ -549,7 +552,8 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
         mask, sampler_lp = ub.mask[mb, :T], ub.sampler_lp[mb, :T]
         # with one optimizer step per batch the old policy is the current one: its own logprobs,
         # detached, no extra pass. The ratio exp(lp - lp.detach()) is then 1, but its gradient is
-        # grad log pi: the loss is -A grad log pi, the policy gradient with the group as baseline.
+        # grad log pi: the loss's gradient is -A grad log pi, the policy gradient with the group as
+        # baseline.
         # From a batch's second step on (L7), the ratio moves off 1 and the clip acts
         old = passes.old[mb, :T] if passes.old is not None else lp.detach()
         is_weights, is_metrics = None, {}
@@ -625,7 +629,8 @@ def count_nonfinite(stepped, state, cfg, loss, grad_norm):
 
 
 def adapt_beta(state, kl, cfg):
-    """F2: every kl_window steps, scale beta by the window's mean token KL."""
+    """F2: every kl_window steps, beta x 1.2 if the window's mean token KL is above kl_band, x 0.8
+    if below."""
     if kl is None:  # no KL term this step
         return
     state.kl_history.append(kl)

@@ -197,7 +197,7 @@ def rollout_metrics(step, drawn, stats, batch, rounds, beta, temperature, cfg, t
         "reward/errors": int(comps["errors"].sum()),  # completions whose reward raised or hung
         "reward/timeouts": int(comps["timeouts"].sum()),  # of those, the ones past reward_timeout
         "acc": mean_of(comps, "correct"),  # None for a task without a notion of correct
-        "format": mean_of(comps, "format"),
+        "format": mean_of(comps, "format"),  # the <think>/<answer> layout; a boxed answer: parsed
         "response_length": drawn.lengths.mean().item(),
         "truncated": drawn.truncated.mean().item(),
         "gen_tokens": int(drawn.lengths.sum()),

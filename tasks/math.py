@@ -13,8 +13,9 @@ from config import ConfigError
 from data.arith import KINDS, math_problems
 from rewards import math_answer, math_reward, warm_math_verify
 
-# One worked example as a first chat turn: SmolLM2-135M-Instruct puts its answer in \boxed{} after
-# it ~99% of the time and ~1% without it, whatever the instruction says. Its operands lie outside
+# One worked example as a first chat turn: after it SmolLM2-135M-Instruct boxes every greedy answer
+# and ~80% of those sampled at temperature 1.0 (README), ~1% without it, whatever the instruction
+# says. Its operands lie outside
 # the default ones (1..math_max_number = 25), so it answers no problem of the default run.
 INSTRUCTION = "Put your final answer within \\boxed{}."
 EXAMPLE = [{"role": "user", "content": "What is 31 + 42? " + INSTRUCTION},
