@@ -116,7 +116,7 @@ class Config:
     tool_error_penalty: float = 0.0  # minus this per failed call (raised, timeout, killed); 0 = off
     sandbox: str = "full"  # the weakest sandbox accepted (sandbox.py); else the run does not start
 
-    # ---- episodes: a task file's environment(problem) or TOOLS (environment.py) ----
+    # ---- episodes: a task file's environment(problem) or TOOLS (environment.py; tool_timeout) ----
     max_turns: int = 4  # model turns per episode; the environment answers each but the last
     env_reward: str = "sum"  # an episode's reward: its turns' rewards summed, or the "last" one's
 
@@ -568,8 +568,9 @@ def upgrade(saved):
         weights.update({k.removesuffix("_weight"): saved[k] for k in old
                         if saved[k] != DELETED[k][0]})
         saved["reward_weights"] = ",".join(f"{k}:{v}" for k, v in weights.items())
-    if not saved.get("tools") and saved.get("env_timeout", 5.0) != 5.0:  # an episode's deadline
-        saved["tool_timeout"] = saved["env_timeout"]  # is tool_timeout now
+    was = saved.get("env_timeout", DELETED["env_timeout"][0])
+    if not saved.get("tools") and was != DELETED["env_timeout"][0]:  # an episode's deadline is
+        saved["tool_timeout"] = was  # tool_timeout's now (with tools=True it did nothing)
     for now, (first, second) in MERGED.items():
         if first in saved:
             saved[now] = [saved[first], saved[second]]
