@@ -268,9 +268,9 @@ def collect_rollouts(engine, prompt_sampler, train, cfg, step, temperature, time
         times["time/tools"] = batch.tool_seconds
     spent = time.perf_counter() - t0
     times["time/generate"] = spent - times["time/score"] - times.get("time/tools", 0.0)
-    # D2: every group drawn, with its pass rate, feeds the curriculum (a no-op for a shuffle)
-    stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
-    prompt_sampler.update(drawn.problem[::G], stats["pass_rate"].tolist())
+    if cfg.curriculum:  # D2: every group drawn, with its pass rate, feeds the curriculum
+        stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
+        prompt_sampler.update(drawn.problem[::G], stats["pass_rate"].tolist())
     return batch, drawn, rounds
 
 

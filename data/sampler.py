@@ -2,7 +2,8 @@
 
 Both samplers hand out prompt indices, are deterministic given their seed and history, and save
 and restore their whole state through state_dict / load_state_dict (it goes in every checkpoint),
-so a resumed run sees exactly the prompts it would have seen.
+so a resumed run sees exactly the prompts it would have seen. The curriculum's history includes
+each step's pass rates, which grpo.collect_rollouts gives it (update).
 """
 
 import random
@@ -27,9 +28,6 @@ class PromptSampler:
             if self.pos == self.num_prompts:
                 self.epoch, self.pos = self.epoch + 1, 0
         return out
-
-    def update(self, ids, pass_rates):
-        """Pass rates do not change a plain shuffle (the curriculum sampler uses them)."""
 
     def state_dict(self):
         return {"epoch": self.epoch, "pos": self.pos}
