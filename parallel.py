@@ -144,10 +144,8 @@ def all_gather_list(items, group=None):
 
 def gather_group(group, prompts, *lists):
     """`prompts` and the lists that go with them gathered over `group` (consecutive ranks that
-    share one engine) in rank order, after the slice of them that is this rank's own; a None group
-    leaves them as they are."""
-    if group is None:
-        return (slice(0, len(prompts)), prompts, *lists)
+    share one engine: consecutive_group's) in rank order, after the slice of them that is this
+    rank's own."""
     counts = all_gather_list([len(prompts)], group=group)
     start = sum(counts[: rank() % len(counts)])  # groups are consecutive ranks
     mine = slice(start, start + len(prompts))

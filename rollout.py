@@ -126,8 +126,10 @@ class VLLMEngine:
         from vllm import SamplingParams
         check_seeds(prompts, n, seeds)
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        # tensor parallel: the group's ranks give the engine one batch; mine: this rank's own rows
-        mine, prompts, seeds, budgets = parallel.gather_group(self.group, prompts, seeds, budgets)
+        mine = slice(None)  # the rows of the engine's output that are this rank's own
+        if self.group is not None:  # tensor parallel: the group's ranks give the engine one batch
+            mine, prompts, seeds, budgets = parallel.gather_group(self.group, prompts, seeds,
+                                                                  budgets)
         if not prompts:  # a rank with nothing left to generate (tool turns under torchrun)
             return []
         # explicit SamplingParams take nothing from generation_config but its EOS list (vLLM's
