@@ -106,8 +106,9 @@ class Config:
     # ---- tool calls (multi-turn rollouts, tools.ToolEngine) ----
     tools: bool = False  # a completion may run Python; its output comes back; False = one turn
     max_tool_calls: int = 2  # tool calls per completion; the turn after the last may not call
-    # past it a tools=True call is killed (an error the model reads); an environment's or TOOLS'
-    # call ends its episode (scoring 0). A run has one kind of turns or the other, never both
+    # a tools=True call past it is killed (an error the model reads); an environment's reset or
+    # step, or a TOOLS turn's calls together, past it end the episode (scoring 0). A run has one
+    # kind of turns or the other, never both
     tool_timeout: float = 5.0  # seconds one call may run: tools=True's, or a task's environment's
     tool_output_chars: int = 500  # a call's output is cut to this many characters (with a marker)
     # a call is the code between the two; generation stops at the second. A ```python block:
@@ -568,9 +569,8 @@ def upgrade(saved):
         weights.update({k.removesuffix("_weight"): saved[k] for k in old
                         if saved[k] != DELETED[k][0]})
         saved["reward_weights"] = ",".join(f"{k}:{v}" for k, v in weights.items())
-    was = saved.get("env_timeout", DELETED["env_timeout"][0])
-    if not saved.get("tools") and was != DELETED["env_timeout"][0]:  # an episode's deadline is
-        saved["tool_timeout"] = was  # tool_timeout's now (with tools=True it did nothing)
+    if "env_timeout" in saved and not saved.get("tools"):  # the deadline an episode had, at its
+        saved["tool_timeout"] = saved["env_timeout"]  # default too (tool_timeout did nothing then)
     for now, (first, second) in MERGED.items():
         if first in saved:
             saved[now] = [saved[first], saved[second]]

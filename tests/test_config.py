@@ -215,6 +215,7 @@ def test_an_older_config_is_read_in_todays_settings(tmp_path):
     assert older["reward_weights"] == "brief:2"
     # an episode's deadline is tool_timeout's now; a tools=True run's env_timeout did nothing
     assert config.upgrade({"tool_timeout": 5.0, "env_timeout": 9.0})["tool_timeout"] == 9.0
+    assert config.upgrade({"tool_timeout": 2.0, "env_timeout": 5.0})["tool_timeout"] == 5.0
     assert config.upgrade({"tools": True, "tool_timeout": 7.0, "env_timeout": 9.0})[
         "tool_timeout"] == 7.0
 
