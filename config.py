@@ -14,6 +14,7 @@ that need other modules (the task file, the model's shape, the memory estimate) 
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -289,8 +290,6 @@ def reporters(text):
     several joined by commas."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if names == ["all"]:
-        import importlib.util
-
         return tuple(name for name in REPORTERS if importlib.util.find_spec(name) is not None)
     unknown = [name for name in names if name not in REPORTERS + ("none",)]
     need(not unknown and ("none" not in names or names == ["none"]),
@@ -743,8 +742,6 @@ def check_out_dir(path):
 
 def check_machine(cfg):
     """Settings that ask this machine for what it lacks: a GPU, the wandb or tensorboard package."""
-    import importlib.util
-
     import torch
 
     need(cfg.device != "cuda" or torch.cuda.is_available(),

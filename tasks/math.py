@@ -15,8 +15,8 @@ from rewards import math_answer, math_reward, warm_math_verify
 
 # One worked example as a first chat turn: after it SmolLM2-135M-Instruct boxes every greedy answer
 # and ~80% of those sampled at temperature 1.0 (README), ~1% without it, whatever the instruction
-# says. Its operands lie outside
-# the default ones (1..math_max_number = 25), so it answers no problem of the default run.
+# says. Its operands lie outside the default ones (1..math_max_number = 25), so it answers no
+# problem of the default run.
 INSTRUCTION = "Put your final answer within \\boxed{}."
 EXAMPLE = [{"role": "user", "content": "What is 31 + 42? " + INSTRUCTION},
            {"role": "assistant", "content": "31 + 42 = 73. The answer is \\boxed{73}."}]

@@ -809,9 +809,6 @@ class InOrder:
         self.next += k
         return list(range(self.next - k, self.next))
 
-    def update(self, ids, pass_rates):  # a curriculum's feedback: nothing to do in order
-        pass
-
 
 def reward(completion, problem):
     if problem["i"] in (2, 3):  # the first draw's last two prompts: all of rank 1's under 2 ranks
@@ -976,9 +973,6 @@ def three_groups(cfg):
     class InOrder:
         def sample(self, k, step=None):
             return list(range(k))
-
-        def update(self, ids, pass_rates):
-            pass
 
     scripts = {0: [1, 1, 1, 1], 1: [0, 0, 0, 0], 2: [1, 0, 0, 1]}
     batch, drawn, _ = grpo.collect_rollouts(LengthScripted(scripts), InOrder(), train, cfg, 0,
