@@ -319,7 +319,8 @@ RUN_SETTINGS = tuple(f.name for f in dataclasses.fields(Config)
 # checkpoint saved with one off the default it had would go on as another run (the others are
 # compared as the setting that holds them: config.upgrade)
 DELETED_RUN_SETTINGS = ("drop_zero_std_groups", "kl_up", "kl_down", "length_penalty_tokens",
-                        "length_penalty", "adv_std_floor")
+                        "length_penalty", "adv_std_floor", "curriculum_bands",
+                        "curriculum_hard_below", "curriculum_easy_above")
 
 
 def changed_settings(cfg, saved):
@@ -337,7 +338,7 @@ def changed_settings(cfg, saved):
                 if k in options and k in now_options and options[k] != now_options[k]]
     for k in DELETED_RUN_SETTINGS:
         default, instead = DELETED[k]
-        if k in saved and saved[k] != default:
+        if k in saved and saved[k] != json.loads(json.dumps(default)):  # a tuple saved as a list
             changed.append((k, saved[k], f"deleted: {instead}"))
     return changed
 

@@ -58,7 +58,6 @@ class Config:
     test_size: int = 60  # held-out problems for eval (M2); the splits never overlap (data/split.py)
     # a task's own settings (countdown_numbers, math_kinds, ...): its file's OPTIONS, task_options
     curriculum: bool = False  # D2: easy:medium:hard 1:2:3 by pass rate; False = shuffled epochs
-    curriculum_bands: tuple = (0.2, 0.8)  # D2: (hard below, easy above) pass rates
     curriculum_ramp_steps: int = 100  # D2: steps over which the hard share ramps up to its weight
 
     # ---- rewards (W2, W3) ----
@@ -225,13 +224,19 @@ DELETED = {
     "tensorboard": (False, "--report_to=tensorboard writes tensorboard events to out_dir/tb"),
     "device_memory_gb": (0.0, "a run plans against its own GPU; against another, python "
                               "preflight.py --config RUN_FILE --device_memory_gb=80"),
+    "curriculum_bands": ((0.2, 0.8), "the curriculum's buckets are hard below a pass rate of 0.2 "
+                                     "and easy above 0.8 (data/sampler.CurriculumSampler's "
+                                     "hard_below, easy_above)"),
+    "curriculum_hard_below": (0.2, "the curriculum's hard bucket is below a pass rate of 0.2 "
+                                   "(data/sampler.CurriculumSampler's hard_below)"),
+    "curriculum_easy_above": (0.8, "the curriculum's easy bucket is above a pass rate of 0.8 "
+                                   "(data/sampler.CurriculumSampler's easy_above)"),
     "is_mode": ("truncate", "is_correction names the level and what is done past the cap, as "
                             "TRL's vllm_importance_sampling_mode: token_truncate, token_mask, "
                             "sequence_truncate or sequence_mask"),
 }
 # deleted settings one tuple holds now, (first, second): an older run's values move there (upgrade)
 MERGED = {"kl_band": ("kl_low", "kl_high"),
-          "curriculum_bands": ("curriculum_hard_below", "curriculum_easy_above"),
           "tool_tags": ("tool_open", "tool_close")}
 for _now, _pair in MERGED.items():  # each old name's entry: its default, what holds it now
     _defaults = Config.__dataclass_fields__[_now].default
@@ -654,9 +659,6 @@ def validate(cfg):
     need(len(betas) == 2, f"adam_betas={betas} must be two numbers, e.g. 0.9,0.99")
     need(all(0 <= b < 1 for b in betas),
          f"adam_betas={betas}: each must be in [0, 1), e.g. 0.9,0.99 (AdamW's decay rates)")
-    need(len(cfg.curriculum_bands) == 2 and 0 <= cfg.curriculum_bands[0] <= cfg.curriculum_bands[1]
-         <= 1, f"curriculum_bands={cfg.curriculum_bands} must be two pass rates, hard below the "
-               "first, easy above the second, 0 <= first <= second <= 1, e.g. 0.2,0.8 (D2)")
     need(0 < cfg.clip_eps < 1, f"clip_eps={cfg.clip_eps} must be in (0, 1); 0.2 is standard (L1)")
     need(not cfg.clip_eps_high or cfg.clip_eps <= cfg.clip_eps_high < 10,
          f"clip_eps_high={cfg.clip_eps_high} must be >= clip_eps={cfg.clip_eps} (or 0 = same)")

@@ -120,9 +120,7 @@ def build_models(cfg, path, device, resume_from):
 def make_sampler(cfg, num_prompts):
     """D2's curriculum, or D3's shuffled epochs."""
     if cfg.curriculum:
-        return CurriculumSampler(num_prompts, cfg.seed, hard_below=cfg.curriculum_bands[0],
-                                 easy_above=cfg.curriculum_bands[1],
-                                 ramp_steps=cfg.curriculum_ramp_steps)
+        return CurriculumSampler(num_prompts, cfg.seed, ramp_steps=cfg.curriculum_ramp_steps)
     return PromptSampler(num_prompts, cfg.seed)
 
 

@@ -128,7 +128,7 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
                "is_cap", "is_floor", "old_logprobs", "async_rollouts", "max_staleness",
                "tools", "max_turns", "env_reward", "adaptive_kl", "kl_window", "kl_band",
                "data_seed", "train_size", "data_name", "data_columns", "curriculum",
-               "curriculum_bands", "curriculum_ramp_steps",
+               "curriculum_ramp_steps",
                "temperature_end", "ref_refresh_steps", "lora_alpha"}
     assert set(checkpoint.DELETED_RUN_SETTINGS) <= set(config.DELETED)
     assert learned <= set(RUN_SETTINGS), learned - set(RUN_SETTINGS)
@@ -139,10 +139,13 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
     # a deleted setting saved off its old default is named with what stands for it; at it, not
     assert changed_settings(load_config(), {**saved, "is_seq_cap": 3.0, "kl_up": 1.2,
                                             "format_weight": 0.1, "length_penalty": 0.05,
-                                            "adv_std_floor": 1e-4}) == []
+                                            "adv_std_floor": 1e-4, "curriculum_bands": [0.2, 0.8],
+                                            "curriculum_hard_below": 0.2}) == []
     steeper = changed_settings(load_config(), {**saved, "length_penalty": 0.1})
     assert [(k, was) for k, was, _ in steeper] == [("length_penalty", 0.1)]
     assert "0.05 per 32 tokens" in steeper[0][2]
+    bands = changed_settings(load_config(), {**saved, "curriculum_bands": [0.3, 0.8]})
+    assert [(k, was) for k, was, _ in bands] == [("curriculum_bands", [0.3, 0.8])]
     # one held by another setting now is compared as that setting (config.upgrade)
     assert changed_settings(load_config(), {**saved, "format_weight": 0.2}) == [
         ("reward_weights", "format:0.2", "")]

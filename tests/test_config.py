@@ -196,14 +196,14 @@ def test_an_older_config_is_read_in_todays_settings(tmp_path):
     cap) is read into it: an older run's audit and resume see the run it was."""
     saved = json.loads(json.dumps(dataclasses.asdict(load_config(overrides=[
         "--reward_weights=numbers_valid:0.5", "--is_correction=sequence_truncate"]))))
-    for name in ("kl_band", "curriculum_bands", "is_cap", "tool_tags"):
+    for name in ("kl_band", "is_cap", "tool_tags"):
         saved.pop(name)
-    saved.update(kl_low=0.02, kl_high=0.1, curriculum_hard_below=0.3, curriculum_easy_above=0.9,
+    saved.update(kl_low=0.02, kl_high=0.1,
                  format_weight=0.3, correct_weight=1.0, is_seq_cap=4.0, tool_open="```python\n",
                  tool_close="\n```\n", is_correction="sequence", is_mode="mask")
     (tmp_path / "config.json").write_text(json.dumps(saved))
     cfg = load_saved(tmp_path / "config.json")
-    assert cfg.kl_band == (0.02, 0.1) and cfg.curriculum_bands == (0.3, 0.9) and cfg.is_cap == 4.0
+    assert cfg.kl_band == (0.02, 0.1) and cfg.is_cap == 4.0
     assert cfg.tool_tags == ("```python\n", "\n```\n") and cfg.is_correction == "sequence_mask"
     assert config.upgrade({"is_correction": "token"})["is_correction"] == "token_truncate"
     assert config.upgrade({"is_correction": "off", "is_mode": "mask"})["is_correction"] == "off"
@@ -224,13 +224,10 @@ def test_an_older_config_is_read_in_todays_settings(tmp_path):
     ("--kl_band=0.08,0.01", "kl_band=.* the first below the second"),
     ("--kl_band=0.01,0.01", "kl_band=.* the first below the second"),
     ("--kl_band=0.01", "kl_band=.* must be two KLs"),
-    ("--curriculum_bands=0.8,0.2", "curriculum_bands=.* 0 <= first <= second <= 1"),
-    ("--curriculum_bands=0.2,1.5", "curriculum_bands=.* must be two pass rates"),
 ])
 def test_a_band_is_two_ordered_numbers(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=[override])
-    assert load_config(overrides=["--curriculum_bands=0.5,0.5"]).curriculum_bands == (0.5, 0.5)
 
 
 @pytest.mark.parametrize(

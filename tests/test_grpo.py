@@ -432,11 +432,10 @@ def test_non_finite_updates_in_a_row_stop_the_run_naming_lr(monkeypatch):
 
 
 def test_the_bands_reach_their_users_in_order():
-    """kl_band's low edge scales beta down, its high edge up (F2); curriculum_bands' first edge
-    is the hard bucket's, its second the easy one's (D2)."""
+    """kl_band's low edge scales beta down, its high edge up (F2); the curriculum's buckets are
+    hard below a pass rate of 0.2 and easy above 0.8 (D2)."""
     cfg = config.load_config(overrides=["--beta=0.01", "--adaptive_kl=true", "--kl_window=1",
-                                        "--kl_band=0.05,0.1", "--curriculum=true",
-                                        "--curriculum_bands=0.3,0.6"])
+                                        "--kl_band=0.05,0.1", "--curriculum=true"])
     state = SimpleNamespace(beta=0.01, kl_history=[])
     grpo.adapt_beta(state, 0.07, cfg)  # inside the band: unchanged
     assert state.beta == 0.01
@@ -445,8 +444,9 @@ def test_the_bands_reach_their_users_in_order():
     grpo.adapt_beta(state, 0.2, cfg)  # above 0.1: x 1.2
     assert state.beta == pytest.approx(0.0096)
     sampler = prepare.make_sampler(cfg, 10)
-    sampler.update([0, 1, 2, 3], [0.2, 0.4, 0.5, 0.7])
-    assert [sampler.bucket(i) for i in range(4)] == [2, 1, 1, 0]  # hard, medium, medium, easy
+    sampler.update([0, 1, 2, 3, 4, 5], [0.1, 0.3, 0.5, 0.7, 0.9, 0.95])
+    # hard, medium x3, easy x2 (each prompt's first rate is its moving average's start)
+    assert [sampler.bucket(i) for i in range(7)] == [2, 1, 1, 1, 0, 0, 1]  # 6: never seen
 
 
 class Recorder:
