@@ -57,7 +57,7 @@ class Config:
     train_size: int = 500  # training problems: generated, or the dataset's train split's first
     test_size: int = 60  # held-out problems for eval (M2); the splits never overlap (data/split.py)
     # a task's own settings (countdown_numbers, math_kinds, ...): its file's OPTIONS, task_options
-    curriculum: bool = False  # D2: easy:medium:hard 1:2:3 by pass rate; False = shuffled epochs
+    curriculum: bool = False  # D2: easy:medium:hard 1:2:3 (pass rate > 0.8, 0.2-0.8, < 0.2)
     curriculum_ramp_steps: int = 100  # D2: steps over which the hard share ramps up to its weight
 
     # ---- rewards (W2, W3) ----
