@@ -228,6 +228,7 @@ def test_an_older_config_is_read_in_todays_settings(tmp_path):
 def test_a_band_is_two_ordered_numbers(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=[override])
+    assert load_config(overrides=["--kl_band=0.02,0.1"]).kl_band == (0.02, 0.1)
 
 
 @pytest.mark.parametrize(

@@ -444,9 +444,10 @@ def test_the_bands_reach_their_users_in_order():
     grpo.adapt_beta(state, 0.2, cfg)  # above 0.1: x 1.2
     assert state.beta == pytest.approx(0.0096)
     sampler = prepare.make_sampler(cfg, 10)
-    sampler.update([0, 1, 2, 3, 4, 5], [0.1, 0.3, 0.5, 0.7, 0.9, 0.95])
-    # hard, medium x3, easy x2 (each prompt's first rate is its moving average's start)
-    assert [sampler.bucket(i) for i in range(7)] == [2, 1, 1, 1, 0, 0, 1]  # 6: never seen
+    # each prompt's first rate starts its moving average; the edges 0.2 and 0.8 are medium
+    sampler.update([0, 1, 2, 3, 4], [0.19, 0.2, 0.5, 0.8, 0.81])
+    # hard, medium x3, easy; prompt 5 never seen: medium
+    assert [sampler.bucket(i) for i in range(6)] == [2, 1, 1, 1, 0, 1]
 
 
 class Recorder:
