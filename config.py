@@ -5,7 +5,7 @@ first, then `--key=value` overrides from the command line; both are checked agai
 below and the task file's own settings, its OPTIONS (unknown names fail and suggest the closest
 one; values are parsed to the default's type).
 
-    python preflight.py --config config/countdown_3b.py --lr=1e-6   # the final config + pre-flight
+    python -m infra.preflight --config config/countdown_3b.py --lr=1e-6  # the config + pre-flight
 
 This file imports nothing from the project: every module reads its settings from here. The checks
 that need other modules (the task file, the model's shape, the memory estimate) run in pre-flight.

@@ -55,20 +55,19 @@ from dataclasses import dataclass, fields, replace
 import torch
 from tqdm import tqdm
 
-import log
-import parallel
 from advantage import group_advantages, group_stats
-from async_rollouts import AsyncRollouts, Phases, load_pending
-from checkpoint import TrainState, load_checkpoint, save_checkpoint
 from config import ConfigError
-from evals import eval_only, evaluate_in_run, wake_and_evaluate
-from log import Diverged, Logger, diverged, dump_samples, memory_gb, timed
+from episodes.task import multi_turn, score, tokenize_prompts
+from infra import log, parallel
+from infra.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from infra.log import Diverged, Logger, diverged, dump_samples, memory_gb, timed
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
-from model import push_weights_iter, sequence_logprobs
+from model import push_weights_iter, self_attending_mask, sequence_logprobs
 from perf import shared_prompt
-from prepare import Split, build_models, eval_split, make_engine, make_sampler, prepare_run
 from rollout import row_seeds
-from task import multi_turn, score, tokenize_prompts
+from run.async_rollouts import AsyncRollouts, Phases, load_pending
+from run.evals import eval_only, evaluate_in_run, wake_and_evaluate
+from run.prepare import Split, build_models, eval_split, make_engine, make_sampler, prepare_run
 
 # ---------------------------------------------------------------- seeds and schedules
 
@@ -427,8 +426,9 @@ def micro_batch_logprobs(model, ub, mb, cfg, temperature):
     # logprobs as the padded forward_logprobs below to fp32 rounding (perf/shared_prompt.py). Read
     # forward_logprobs first
     if cfg.shared_prompt:
-        return shared_prompt.shared_prompt_logprobs(model, ids, attention, ub.prompt_lens[mb],
-                                                    ub.groups[mb], temperature, cfg)
+        return shared_prompt.shared_prompt_logprobs(
+            model, ids, attention, ub.prompt_lens[mb], ub.groups[mb], temperature, cfg,
+            sequence_logprobs=sequence_logprobs, self_attending_mask=self_attending_mask)
     return forward_logprobs(model, ids, attention, cfg, temperature)
 
 

@@ -8,8 +8,8 @@ import os
 
 import torch
 
+from infra.model_files import build_tiny, convert_smollm2
 from loss import token_logprobs
-from model_files import build_tiny, convert_smollm2
 from perf import cpu, logprobs
 
 

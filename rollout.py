@@ -17,8 +17,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, GenerationConfig
 
-import log
-import parallel
+from infra import log, parallel
 from model import self_attending_mask
 from perf import cpu
 

@@ -114,7 +114,7 @@ def read_datasets(path, name):
     elif os.path.isdir(path):
         loaded = datasets.load_dataset(path, name or None)
     else:
-        from model_files import hub_reachable
+        from infra.model_files import hub_reachable
 
         if not hub_reachable():
             raise DataError(f"data_path={path!r} is not a file or folder here, and the hub cannot "

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-from log import PHASES
+from infra.log import PHASES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
@@ -123,7 +123,7 @@ def memory(argv, vocab=0):
     if vocab:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from memory import SHAPES
+        from infra.memory import SHAPES
 
         torch.manual_seed(0)
         shape = {**SHAPES[cfg.model], "vocab_size": vocab}
@@ -216,7 +216,7 @@ def batch_shape(cfg, tokenizer, shape):
     prompts of 130-170 and completions of 300-1000 tokens (a Countdown run's)."""
     import random
 
-    from task import load_problems, load_task, tokenize_prompts
+    from episodes.task import load_problems, load_task, tokenize_prompts
 
     rng, n_prompts = random.Random(0), cfg.batch_size // cfg.group_size
     if shape == "run":
@@ -402,11 +402,11 @@ def update_only(argv, steps, warmup, micro_batches):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import parallel
     from config import config_from_argv
     from grpo import forward_logprobs, optimizer_step
+    from infra import parallel
+    from infra.memory import SHAPES, estimate_memory
     from loss import grpo_loss
-    from memory import SHAPES, estimate_memory
 
     cfg = config_from_argv(argv)
     rank, world, device = parallel.setup("cuda" if torch.cuda.is_available() else "cpu")

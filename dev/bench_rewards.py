@@ -23,10 +23,9 @@ import time
 from config import load_config
 from data.arith import math_problems
 from data.countdown import countdown_problems
-from rewards import code_reward, math_reward, warm_math_verify
-from scoring import run_rewards
-from shaping import score_batch
-from task import load_task, score
+from episodes.task import load_task, score
+from rewards import code_reward, math_reward, score_batch, warm_math_verify
+from scoring.runner import run_rewards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE = "e080eb6"  # the last rewards.py whose math verifier ran sympy in a child process

@@ -30,8 +30,8 @@ def trl_steps(cfg, steps):
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from episodes.task import load_problems, load_task
     from model import model_path
-    from task import load_problems, load_task
 
     task = load_task(cfg)
     problems = load_problems(cfg, task, "train")

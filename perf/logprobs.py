@@ -16,6 +16,8 @@ import contextlib
 
 import torch
 
+from infra.memory import head_chunk
+
 
 def chunked_sequence_logprobs(logits, ids, temperature):
     """(logprobs, entropy), each (b, T-1) fp32, of the tokens ids[:, 1:] from (b, T, V) logits."""
@@ -277,19 +279,3 @@ def linear_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, bias=No
                                                      tokens.reshape(B * T),
                                                      float(temperature), chunk, compute_dtype)
     return logp.view(B, T), entropy.view(B, T)
-
-
-# Logits per chunk of the fused head, by device type. Each chunk's backward reads and writes the
-# whole (V, H) fp32 weight gradient: on an H200 at 2^24 logits (110 positions at V = 152k) that
-# traffic takes ~5x as long as the chunk's weight-gradient matmul, at 2^27 (880 positions) about
-# as long, and the chunk's few (c, V) fp32 buffers (512 MiB each) are small beside GPU memory.
-# On a CPU, 2^24 (64 MiB of fp32) keeps them small beside the hidden states.
-HEAD_CHUNK_LOGITS = {"cuda": 2**27}
-
-
-HEAD_CHUNK_LOGITS_DEFAULT = 2**24
-
-
-def head_chunk(device_type, vocab_size):
-    """Positions per chunk of linear_logprobs_and_entropy on a device type ("cuda", "cpu", ...)."""
-    return max(1, HEAD_CHUNK_LOGITS.get(device_type, HEAD_CHUNK_LOGITS_DEFAULT) // vocab_size)

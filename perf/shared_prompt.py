@@ -16,9 +16,8 @@ import contextlib
 import torch
 from transformers import DynamicCache
 
-import parallel
-from model import self_attending_mask, sequence_logprobs
-from preflight import CHECKPOINT_CACHE_HINT
+from infra import parallel
+from infra.preflight import CHECKPOINT_CACHE_HINT
 
 
 def plan_micro_batches(lengths, prompt_lens, groups, cfg):
@@ -156,9 +155,13 @@ def tail_runs(tails, split=True):
     return runs
 
 
-def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, cfg):
+def shared_prompt_logprobs(model, ids, attention, prompt_lens, groups, temperature, cfg, *,
+                           sequence_logprobs, self_attending_mask):
     """sequence_logprobs of right-padded rows whose groups share a prompt,
     computing each prompt once.
+
+    sequence_logprobs, self_attending_mask: model.py's, passed in by the caller (perf/ sits below
+    model.py and imports none of it).
 
     ids, attention: (b, L) prompt + completion, right-padded; prompt_lens: (b,); groups: (b,) group
     ids. Rows with the same group id must have the same prompt. Two kinds of forward, gradients

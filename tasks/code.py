@@ -16,7 +16,7 @@ with "tests" a list of assert tests (setup lines, asserts in a function or a loo
 data_columns="text:prompt,test_list:tests"; its test_imports and test_setup_code run before each
 test. A HumanEval row (prompt, test, entry_point, canonical_solution) needs no mapping: its test is
 run as HumanEval's harness runs it, then check(entry_point). No test runs outside the sandbox
-(sandbox.run_tests).
+(execute.run_tests).
 """
 
 import json

@@ -10,7 +10,7 @@ Problems and reward are the instruct task's (tasks/countdown.py).
 
 import os
 
-from task import import_file
+from episodes.task import import_file
 
 countdown = import_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "countdown.py"))
 

@@ -13,7 +13,7 @@ code, any other as math.
 
 import os
 
-from task import import_file
+from episodes.task import import_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 math_task, code_task = (import_file(os.path.join(HERE, "math.py")),

@@ -32,7 +32,7 @@ def reward(completion, problem):
     return {"correct": float(right), "brief": 0.1 * (len(completion) < 40)}
 
 
-# a completion that earns full reward (python task.py --audit tasks/larger.py)
+# a completion that earns full reward (python -m episodes.task --audit tasks/larger.py)
 def reference(problem):
     return str(max(problem["a"], problem["b"]))
 

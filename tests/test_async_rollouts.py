@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import grpo
-from async_rollouts import load_pending
 from dev.compare_runs import compare
 from loss import grpo_loss, sampler_is_weights
+from run.async_rollouts import load_pending
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASYNC = ["--engine=hf", "--async_rollouts=true", "--eval_every=0", "--sample_every=1",
@@ -138,9 +138,9 @@ def test_a_sampler_that_raises_stops_the_trainer_with_its_traceback(tmp_path):
     """An error in the sampler process (here: a model folder it cannot read) reaches the trainer
     as the sampler's own traceback, at the trainer's first wait for a batch."""
     import grpo
-    from async_rollouts import AsyncRollouts, Phases
     from config import load_config
     from data.sampler import PromptSampler
+    from run.async_rollouts import AsyncRollouts, Phases
 
     cfg = load_config(overrides=["--model=tiny", "--engine=hf", "--async_rollouts=true",
                                  f"--out_dir={tmp_path}", "--task=digits"])

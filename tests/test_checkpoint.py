@@ -10,11 +10,10 @@ import random
 
 import torch
 
-import checkpoint
-import parallel
-from checkpoint import load_checkpoint, rng_states
 from config import config_from_argv
 from data.sampler import PromptSampler
+from infra import checkpoint, parallel
+from infra.checkpoint import load_checkpoint, rng_states
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "config", "tiny.py")
@@ -59,7 +58,7 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_one_before(tmp_path, capsys
     stopped), or its weights: the resume goes on from step 2, saying why, and the logs are cut back
     to it; only when no checkpoint is whole is it an error."""
     import grpo
-    from checkpoint import damaged
+    from infra.checkpoint import damaged
 
     out = tmp_path / "run"
     common = ["--config", TINY, f"--out_dir={out}", "--engine=hf", "--save_every=2",
@@ -83,8 +82,8 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_one_before(tmp_path, capsys
 def test_a_log_line_whose_step_is_not_a_whole_number_is_named(tmp_path):
     import pytest
 
-    from checkpoint import truncate_log
     from config import ConfigError
+    from infra.checkpoint import truncate_log
 
     log = tmp_path / "metrics.jsonl"
     log.write_text('{"step": 0}\n{"step": "1"}\n{"step": 2}\n')
@@ -94,8 +93,8 @@ def test_a_log_line_whose_step_is_not_a_whole_number_is_named(tmp_path):
 
 def test_a_path_setting_written_two_ways_is_the_same_run(tmp_path, monkeypatch):
     """task=./tasks/digits.py and task=tasks/digits.py name one file: no change on resume."""
-    from checkpoint import changed_settings
     from config import load_config
+    from infra.checkpoint import changed_settings
 
     monkeypatch.chdir(ROOT)
     saved = json.loads(json.dumps(vars(load_config(overrides=["--task=./tasks/digits.py"]))))
@@ -112,8 +111,8 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
 
     import config
     from advantage import AdvantageSettings
-    from checkpoint import FREE_SETTINGS, RUN_SETTINGS, changed_settings
     from config import load_config
+    from infra.checkpoint import FREE_SETTINGS, RUN_SETTINGS, changed_settings
     from loss import LossSettings
 
     names = {f.name for f in dataclasses.fields(config.Config) if f.init}
@@ -182,8 +181,8 @@ def test_a_changed_task_option_is_a_changed_run():
     run's, saved as task_options or, by an older version, beside the settings."""
     import dataclasses
 
-    from checkpoint import changed_settings
     from config import load_config
+    from infra.checkpoint import changed_settings
 
     saved = json.loads(json.dumps(dataclasses.asdict(load_config(overrides=["--task=countdown"]))))
     same = load_config(overrides=["--task=countdown", "--countdown_numbers=3,4"])

@@ -13,8 +13,8 @@ import pytest
 
 import config
 from config import Config, ConfigError, load_config, load_saved, save_config
-from preflight import preflight
-from task import load_task
+from episodes.task import load_task
+from infra.preflight import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_FILES = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from environment import EpisodeEngine, ToolCalls, chat_suffix, parse_tool_calls
+from episodes.task import Task, render, score, tokenize_prompts
+from episodes.tools import ToolCalls, parse_tool_calls
+from episodes.turns import EpisodeEngine, chat_suffix
 from grpo import pad_batch
-from model_files import build_tiny, vllm_available
+from infra.model_files import build_tiny, vllm_available
 from rollout import Completion
-from task import Task, render, score, tokenize_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = "<|im_end|>"
@@ -326,7 +327,7 @@ def test_tools_reach_the_prompt_through_the_template_and_results_come_back_as_to
 
 
 def test_the_python_tool_runs_in_the_sandbox_and_its_errors_count():
-    from environment import python
+    from episodes.tools import python
 
     env = ToolCalls([python])
     call = '<tool_call>{{"name": "python", "arguments": {{"code": {}}}}}</tool_call>'
@@ -337,7 +338,7 @@ def test_the_python_tool_runs_in_the_sandbox_and_its_errors_count():
 
 
 def test_task_files_with_an_environment_or_tools_load_and_check(tmp_path):
-    from task import load_task
+    from episodes.task import load_task
 
     path = tmp_path / "env_task.py"
     path.write_text("def problems(split, n, seed):\n    return [{'id': str(i)} for i in range(n)]\n"
@@ -352,7 +353,7 @@ def test_task_files_with_an_environment_or_tools_load_and_check(tmp_path):
     with pytest.raises(ConfigError, match="TOOLS must be a list"):
         load_task(load_config(overrides=[f"--task={path}"]))
     path.write_text(path.read_text().replace("TOOLS = len", "").replace(
-        "def environment(problem):\n    return None\n", "from environment import python\n"
+        "def environment(problem):\n    return None\n", "from episodes.tools import python\n"
         "TOOLS = [python]\ndef reward(c, p):\n    return 0.0\n"))
     task = load_task(load_config(overrides=[f"--task={path}"]))
     assert task.runs_code is True and task.environment is None  # the sandbox is required

@@ -15,11 +15,11 @@ from fractions import Fraction
 
 import pytest
 
-import evals
 import grpo
 from config import ConfigError, load_config
+from episodes.task import load_task
 from rollout import Completion
-from task import load_task
+from run import evals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config", os.path.join(ROOT, "config", "tiny.py")]
@@ -359,11 +359,11 @@ def test_a_run_with_eval_tasks_logs_each_set_and_plots(tmp_path):
     m = metrics[1]
     assert m["eval/digit/pass@1"] == pytest.approx(m["eval/digit/avg@2"])  # a 1/0 "correct"
     assert m["eval/digit/pass@1"] <= m["eval/digit/pass@2"] and 0 <= m["eval/digit/maj@2"] <= 1
-    proc = subprocess.run([sys.executable, "plot.py", str(out), "--out", str(tmp_path / "run.png")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    plot = [sys.executable, "-m", "run.plot", str(out), "--out", str(tmp_path / "run.png")]
+    proc = subprocess.run(plot, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert os.path.getsize(tmp_path / "run.png") > 10_000
-    import plot
+    from run import plot
 
     assert plot.resolve(metrics, "eval/pass@n") == "eval/pass@2"
     # the test split's task (digits) has no answer(): no maj@n to plot

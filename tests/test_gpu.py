@@ -13,6 +13,7 @@ this file run as a script is that process.
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -156,8 +157,12 @@ def test_shared_prompt_forward_equals_the_padded_rows_on_the_device(tiny_folder,
     padded forward, as the trainer runs it on CUDA: equal in fp32 (1e-4), finite and close in bf16
     autocast, with gradient checkpointing and the fused head."""
     from config import Config
-    from model import sequence_logprobs
-    from perf.shared_prompt import shared_prompt_logprobs
+    from model import self_attending_mask, sequence_logprobs
+    from perf import shared_prompt
+
+    shared_prompt_logprobs = functools.partial(
+        shared_prompt.shared_prompt_logprobs, sequence_logprobs=sequence_logprobs,
+        self_attending_mask=self_attending_mask)
 
     overrides = [f"--dtype={dtype}", f"--gradient_checkpointing={checkpointing}"]
     _, model = load_policy(load_config(overrides=overrides), tiny_folder, device)
@@ -236,8 +241,9 @@ def test_fused_head_on_cuda_sums_the_weight_gradient_in_place(monkeypatch, devic
     bf16 operands' product summed in fp32 (summing in bf16 would be ~3e-3 off, rounding each
     chunk's product to bf16 ~2e-3, in relative norm). A CPU widens each chunk's bf16 operands to
     fp32 instead (no mixed-dtype addmm there), with the same two weight-sized tensors."""
+    from infra.memory import head_chunk
     from perf import logprobs
-    from perf.logprobs import head_chunk, linear_logprobs_and_entropy
+    from perf.logprobs import linear_logprobs_and_entropy
 
     torch.manual_seed(0)
     V, H, N = 8192, 2048, 1200  # a chunk's (N, V) buffers stay smaller than (V, H)
@@ -280,7 +286,7 @@ def test_3b_update_time_and_peak_memory_against_preflight(device):
 
     from dev.bench import batch_shape, synthetic_batch
     from grpo import Passes, accumulate_gradients, batch_logprobs, optimizer_step, prepare_update
-    from memory import SHAPES, estimate_memory, update_peak
+    from infra.memory import SHAPES, estimate_memory, update_peak
 
     on_gpu = device == "cuda"
     run_file = os.path.join(ROOT, "config", "countdown_3b.py")

@@ -20,13 +20,13 @@ import torch
 
 import config
 import grpo
-import log
-import prepare
 import rollout
-from audit import replay
 from config import ConfigError
-from model_files import vllm_available
-from task import Task
+from episodes.task import Task
+from infra import log
+from infra.model_files import vllm_available
+from run import prepare
+from run.audit import replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 requires_vllm = pytest.mark.skipif(not vllm_available() and not os.environ.get("CI"),
@@ -753,8 +753,8 @@ def test_no_two_rows_turns_or_steps_of_a_run_share_a_seed():
     step, 3 turns, consecutive steps and steps far apart), eval's stream apart from training's; N
     ranks' slices are one process's seeds, and the seeds are a pure function of the key (a resumed
     run, another process, gets them)."""
+    from episodes.turns import turn_seed
     from rollout import derive_seed
-    from tools import turn_seed
 
     cfg = config.load_config(overrides=["--group_size=8", "--batch_size=512", "--seed=1337"])
     steps = [*range(150), *range(7850, 8000)]
@@ -784,7 +784,7 @@ sys.path.insert(0, sys.argv[1])
 import grpo, parallel
 from config import load_config
 from rollout import Completion
-from task import Task
+from episodes.task import Task
 
 
 class Engine:
@@ -1022,7 +1022,7 @@ def test_groups_with_a_zero_gradient_count_but_are_not_computed(tmp_path, beta):
     0 the all-right and all-wrong groups have a zero gradient, so no pass computes them (the mixed
     group's 10 tokens are computed) and the gradient is the one of computing every row; with a KL
     term they have a gradient of their own, and every row is computed."""
-    from model_files import build_tiny
+    from infra.model_files import build_tiny
 
     cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
                                         f"--beta={beta}",
@@ -1060,7 +1060,7 @@ def test_the_parity_gap_is_the_mean_over_the_tokens_compared(tmp_path):
     10 tokens' mean |pi_old - sampler| (the sampler said -1.0 for each), not their sum over 30."""
     from transformers import AutoModelForCausalLM
 
-    from model_files import build_tiny
+    from infra.model_files import build_tiny
 
     cfg = config.load_config(overrides=["--batch_size=12", "--group_size=4", "--reward_timeout=0",
                                         "--dtype=float32"])

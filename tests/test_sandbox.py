@@ -16,12 +16,12 @@ import time
 
 import pytest
 
-import sandbox
-from audit import check_sandbox
 from config import ConfigError, load_config
+from episodes.task import load_problems, load_task
 from rewards import code_reward
-from scoring import run_rewards
-from task import load_problems, load_task
+from run.audit import check_sandbox
+from scoring import execute, sandbox
+from scoring.runner import run_rewards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIER, WHY = sandbox.best()
@@ -89,7 +89,7 @@ def with_marker(marker):
 PROBE = """
 import json, os, socket, sys
 sys.path.insert(0, {root!r})
-import sandbox
+from scoring import execute, sandbox
 inside = '''
 import json, os, socket
 try:
@@ -103,7 +103,7 @@ print(json.dumps({{"uid": os.getuid(), "network": network, "project": os.path.ex
                   "secret": os.path.exists({secret!r}), "passwd": os.path.exists("/etc/passwd"),
                   "packages": packages}}))
 '''
-out, ok = sandbox.run_python(inside, timeout=30, max_output=10000)
+out, ok = execute.run_python(inside, timeout=30, max_output=10000)
 print(json.dumps({{"best": sandbox.best(), "out": out, "ok": ok}}))
 """
 
@@ -179,7 +179,7 @@ def test_without_the_full_sandbox_a_code_run_does_not_start(no_unshare, capsys):
     check_sandbox(cfg, task, problems)
     out = capsys.readouterr().out
     assert "sandbox=none: " in out and "runs the model's code in the none sandbox (no isol" in out
-    assert sandbox.ALLOWED == "none" and sandbox.run_python("print(6 * 7)") == ("42\n", True)
+    assert sandbox.ALLOWED == "none" and execute.run_python("print(6 * 7)") == ("42\n", True)
 
 
 def test_a_namespaces_only_machine_runs_with_sandbox_namespaces_and_says_so(monkeypatch, capsys):
@@ -213,7 +213,7 @@ def test_a_task_whose_reward_executes_text_needs_the_sandbox(no_unshare):
 
 
 # the text guard in a process of its own (an audit hook stays for good): each source -> compiled?
-GUARD_CHECK = sandbox.GUARD + r"""
+GUARD_CHECK = execute.GUARD + r"""
 import json, sympy
 from sympy.parsing.sympy_parser import parse_expr
 NAMES = ({n for n in dir(sympy) if not n.startswith("_") and callable(getattr(sympy, n))}
@@ -241,7 +241,7 @@ def test_the_text_guard_compiles_literals_arithmetic_and_sympy_only():
              ("oracle_answer", "eval"), ("globals()", "eval"), ("__import__('os')", "eval"),
              ("__import__('os').getcwd()", "parse"), ("(lambda: 1)()", "parse"),
              ("[x for x in (1, 2)]", "eval"), ("sympify('1+1')", "parse"), ("().__class__", "eval")]
-    proc = subprocess.run([sys.executable, "-c", GUARD_CHECK, json.dumps(sandbox.REFUSED_NAMES)],
+    proc = subprocess.run([sys.executable, "-c", GUARD_CHECK, json.dumps(execute.REFUSED_NAMES)],
                           input=json.dumps(cases), capture_output=True, text=True, timeout=120)
     got = dict(zip([t for t, _ in cases], json.loads(proc.stdout)))
     assert got["['A', 'B']"] == "['A', 'B']" and got["3 + 4 * 5"] == "23"
@@ -263,7 +263,7 @@ def test_grpo_stops_before_any_model_without_the_sandbox(no_unshare, tmp_path):
 
 def test_a_call_below_the_allowed_tier_never_runs_the_code(no_unshare, tmp_path):
     marker = tmp_path / "ran"
-    out, ok = sandbox.run_python(f"open({str(marker)!r}, 'w').write('x')")
+    out, ok = execute.run_python(f"open({str(marker)!r}, 'w').write('x')")
     assert not ok and out.startswith("error: the full sandbox cannot be built here")
     assert "sandbox=none" in out
     code = C(f"open({str(marker)!r}, 'w').write('x')\ndef f(): return 1")
@@ -417,7 +417,7 @@ def test_mbpp_and_humaneval_rows_run_as_their_own_harnesses_run_them():
     """An MBPP row: its test_imports and test_setup_code before each test (math.isclose with no
     import of the test's own); a HumanEval row: its test, then check(entry_point). The reference
     passes, the cheat scores 0."""
-    from task import import_file
+    from episodes.task import import_file
 
     code_task = import_file(os.path.join(ROOT, "tasks", "code.py"))
     mbpp = {"prompt": "Write square.", "tests": ["assert math.isclose(square(3), 7009.0)",
@@ -451,8 +451,8 @@ def test_a_value_of_the_solutions_that_is_not_plain_passes_nothing():
                "b = box(1)\nassert b.get() + 1 == 2"]
     failing = ["assert gen(3) == [0, 1, 2]", "assert box(5) == 5", "assert box(5)",
                "assert {box(1): 1}", "assert box(1) < 2"]
-    assert sandbox.run_tests(code, passing) == [True] * len(passing)
-    assert sandbox.run_tests(code, failing) == [False] * len(failing)
+    assert execute.run_tests(code, passing) == [True] * len(passing)
+    assert execute.run_tests(code, failing) == [False] * len(failing)
 
 
 def test_honest_solutions_pass_assert_and_call_tests():
@@ -511,7 +511,7 @@ def test_memory_is_bounded_for_the_whole_sandbox():
         time.sleep(2.5)
         print("holding", sum(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in pids))
     """)
-    out, ok = sandbox.run_python(code, timeout=10, memory_mb=256)
+    out, ok = execute.run_python(code, timeout=10, memory_mb=256)
     assert ok and out.startswith("holding ") and int(out.split()[1]) <= 2, out
 
 
@@ -522,11 +522,11 @@ def test_a_flood_on_the_result_pipe_is_read_only_to_its_cap():
     script = textwrap.dedent(f"""
         import resource, sys
         sys.path.insert(0, {ROOT!r})
-        import sandbox
+        from scoring import execute
         flood = ("import os\\nfor _ in range(600):\\n    for fd in (3, 4, 5):\\n"
                  "        try: os.write(fd, b'x' * (1 << 20))\\n        except OSError: pass\\n")
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        got = sandbox.run_tests(flood + "def f(): return 1", [{{"call": "f()", "expected": 1}}],
+        got = execute.run_tests(flood + "def f(): return 1", [{{"call": "f()", "expected": 1}}],
                                 timeout=30)
         print(got, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
     """)
@@ -549,13 +549,13 @@ def test_a_fork_bomb_does_not_starve_another_sandbox():
         time.sleep(8)
     """)
     done = []
-    first = threading.Thread(target=lambda: done.append(sandbox.run_python(bomb, timeout=6)))
+    first = threading.Thread(target=lambda: done.append(execute.run_python(bomb, timeout=6)))
     first.start()
     time.sleep(2)  # the bomb holds all the processes its limit allows
     try:
         forks = "import os\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n" \
                 "        os._exit(0)\n    os.waitpid(pid, 0)\nprint('forked 4')"
-        assert sandbox.run_python(forks) == ("forked 4\n", True)
+        assert execute.run_python(forks) == ("forked 4\n", True)
     finally:
         first.join()
     assert done and not done[0][1]
@@ -570,7 +570,7 @@ def test_a_tool_call_that_closes_its_output_still_meets_its_deadline(tier, monke
         monkeypatch.setattr(sandbox, "ALLOWED", "none")
     start = time.monotonic()
     code = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(30)"
-    out, ok = sandbox.run_python(code, timeout=2)
+    out, ok = execute.run_python(code, timeout=2)
     assert not ok and "[timed out after 2 s]" in out and time.monotonic() - start < 5
 
 
@@ -608,7 +608,7 @@ def test_sandboxed_code_has_its_own_sysv_ipc_and_writable_folders(tier, monkeypa
     assert host >= 0
     before = shm_ids()
     try:
-        out, ok = sandbox.run_python(SHM.format(key=key))
+        out, ok = execute.run_python(SHM.format(key=key))
         assert ok and out.split() == ["-1", "True"], out
         assert shm_ids() == before  # its segment went with it
         assert not os.path.exists("/run/lock/left-behind")
@@ -653,7 +653,7 @@ def test_kill_9_of_the_trainer_ends_its_reward_workers(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {ROOT!r})
-        from scoring import run_rewards
+        from scoring.runner import run_rewards
         def reward(text, problem):
             open(os.path.join({str(tmp_path)!r}, str(os.getpid())), "w").close()
             time.sleep(60)
@@ -684,7 +684,7 @@ def test_kill_9_of_the_trainer_ends_its_reward_workers(tmp_path):
     "run_python('import time; time.sleep(60)', timeout=100)",
     "run_tests('import time\\ntime.sleep(60)', ['assert f() == 1'], timeout=100)"])
 def test_kill_9_of_a_caller_ends_its_sandbox(call):
-    script = f"import sys\nsys.path.insert(0, {ROOT!r})\nimport sandbox\nsandbox.best()\n"
+    script = f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom scoring import sandbox\nsandbox.best()\n"
     script += f"print('probed', flush=True)\nsandbox.{call}"
     caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     inside = []

@@ -13,14 +13,14 @@ import sys
 import pytest
 
 import grpo
-import preflight
-import scoring
-import task as task_module
-from audit import check_task_output, replay
 from config import ConfigError, load_config
 from data.files import DataError
-from scoring import run_rewards
-from task import load_problems, load_task, score
+from episodes import task as task_module
+from episodes.task import load_problems, load_task, score
+from infra import preflight
+from run.audit import check_task_output, replay
+from scoring import runner
+from scoring.runner import run_rewards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "config", "tiny.py")
@@ -452,7 +452,7 @@ def test_a_task_file_that_failed_late_fails_before_a_model_loads(tmp_path, monke
 
 
 def test_an_int_reward_too_large_for_a_float_is_a_counted_wrong_type(monkeypatch):
-    monkeypatch.setattr(scoring, "_REPORTED", set())
+    monkeypatch.setattr(runner, "_REPORTED", set())
 
     def reward(text, problem):
         huge = {"int": 10**400, "dict": {"big": 10**400, "score": 1.0}}
@@ -489,7 +489,7 @@ def test_a_huge_prompt_fails_before_it_is_tokenised(tokenizer, tmp_path):
 
 
 def test_a_raising_hanging_dying_or_mistyped_reward_fails_only_its_completion(monkeypatch, capsys):
-    monkeypatch.setattr(scoring, "_REPORTED", set())
+    monkeypatch.setattr(runner, "_REPORTED", set())
 
     def reward(text, problem):
         if text == "raise":
@@ -629,8 +629,8 @@ def test_replay_counts_and_prints_each_planted_disagreement(tmp_path, capsys):
     assert "line 3: reward stored 0.5 != re-scored 1.0" in out
     assert "line 1:" not in out and f"replayed 3 rollouts from {path}: 2 disagreements" in out
     assert records[0]["components"]["correct"] == 1.0 and records[0]["reward"] == pytest.approx(1.1)
-    # the same from the command line: python task.py --replay FILE, exit status 1 on a disagreement
-    cli = [sys.executable, os.path.join(ROOT, "task.py"), "--replay", str(path)]
+    # the same from the command line: python -m episodes.task --replay FILE, 1 on a disagreement
+    cli = [sys.executable, "-m", "episodes.task", "--replay", str(path)]
     proc = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "line 2: correct stored 1.0 != re-scored 0.0" in proc.stdout
@@ -639,7 +639,7 @@ def test_replay_counts_and_prints_each_planted_disagreement(tmp_path, capsys):
     agreed = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert agreed.returncode == 0 and "1 rollouts" in agreed.stdout
     usage = subprocess.run(cli[:2], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert usage.returncode == 1 and "usage: python task.py --replay" in usage.stderr
+    assert usage.returncode == 1 and "usage: python -m episodes.task --replay" in usage.stderr
 
 
 def test_a_task_that_borrows_another_tasks_configure_declares_the_same_options():

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import audit as audit_module
-import scoring
-from audit import audit, check_task_output, replay
 from config import ConfigError, load_config
-from scoring import task_rewards
-from task import load_problems, load_task, score
+from episodes.task import load_problems, load_task, score
+from run import audit as audit_module
+from run.audit import audit, check_task_output, replay
+from scoring import runner
+from scoring.runner import task_rewards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "config", "tiny.py")
@@ -94,7 +94,7 @@ def trl_task(tmp_path, chat=True, extra="", more="", more_weights="", name="trl_
 def test_trl_reward_functions_weighed_as_trl_weighs_them(tmp_path, capsys, monkeypatch, chat,
                                                          timeout, workers):
     """TRL's sum: weights times scores, a None left out; all None scores 0 and is counted."""
-    monkeypatch.setattr(scoring, "_REPORTED", set())  # its warnings are printed once a process
+    monkeypatch.setattr(runner, "_REPORTED", set())  # its warnings are printed once a process
     cfg, task = setup(f"--task={trl_task(tmp_path, chat)}", f"--reward_timeout={timeout}",
                       f"--reward_workers={workers}")
     assert task.reward_names == ["accuracy_reward", "brevity"] and task.correct == "accuracy_reward"
@@ -131,8 +131,8 @@ def test_unscored_completions_and_array_scores_as_trls_own_trainer_treats_them(t
     from trl import GRPOConfig, GRPOTrainer
 
     from advantage import group_advantages
-    from model_files import build_tiny
-    from shaping import score_batch
+    from infra.model_files import build_tiny
+    from rewards import score_batch
 
     first = [1.0, None, None, 0.0, np.float32(0.5), float("nan"), 2, torch.tensor(1.0)]
     second = np.array([None, None, None, None, 0.25, None, np.float64(0.5), None], dtype=object)
@@ -152,7 +152,7 @@ def test_unscored_completions_and_array_scores_as_trls_own_trainer_treats_them(t
                           processing_class=AutoTokenizer.from_pretrained(folder))
     trl = trainer._generate_and_score_completions([{"prompt": "a"}] * 4 + [{"prompt": "b"}] * 4)
     task = SimpleNamespace(correct="accuracy_reward")
-    rows = scoring.reward_rows(task, (8, {"accuracy_reward": first, "other": second}))
+    rows = runner.reward_rows(task, (8, {"accuracy_reward": first, "other": second}))
     assert [r["unscored"] for r in rows] == [0, 1, 1, 0, 0, 1, 0, 0]
     rewards, _ = score_batch(rows, [1] * 8, {"unscored": 0.0, "correct": 0.0})
     ours = group_advantages(rewards, 4)
@@ -442,8 +442,8 @@ def test_the_audit_passes_an_honest_reward_and_reports_a_slow_one(tmp_path, caps
 
 def test_the_audit_command_exits_non_zero_on_a_finding(tmp_path):
     def command(*args):
-        return subprocess.run([sys.executable, "task.py", "--audit", *args], capture_output=True,
-                              text=True, cwd=ROOT, timeout=300)
+        return subprocess.run([sys.executable, "-m", "episodes.task", "--audit", *args],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
 
     honest = command(planted(tmp_path, "honest"))
     bad = command(planted(tmp_path, "bad", FLAWS["says_correct"][0]))
@@ -477,8 +477,8 @@ BUILTIN_AUDITS = {"countdown": [], "countdown_base": [], "digits": [], "larger":
 
 @pytest.mark.parametrize("name", BUILTIN_AUDITS)
 def test_every_builtin_task_passes_the_audit(tmp_path, capsys, name):
-    import sandbox
-    from task import builtin_tasks
+    from episodes.task import builtin_tasks
+    from scoring import sandbox
 
     assert set(BUILTIN_AUDITS) == set(builtin_tasks())
     args = BUILTIN_AUDITS[name] if BUILTIN_AUDITS[name] is not None else data_files(tmp_path)[name]

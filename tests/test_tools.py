@@ -10,15 +10,21 @@ import pytest
 import torch
 
 from config import load_config
+from episodes.tools import TOOL_OUTPUT, TextTools
+from episodes.turns import EpisodeEngine, turn_seed
 from grpo import forward_logprobs, pad_batch
 from loss import grpo_loss
 from model import build_tiny, load_policy
 from rewards import code_reward
 from rollout import Completion
-from sandbox import run_python
-from tools import TOOL_OUTPUT, ToolEngine, turn_seed
+from scoring.execute import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tool_engine(engine, tokenizer, max_calls, run, tags=("<python>", "</python>")):
+    """tools=True's rollouts: the episode loop with tools.TextTools, as run/prepare.py makes it."""
+    return EpisodeEngine(engine, tokenizer, text_tools=TextTools(run, max_calls, tags))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +74,7 @@ def encode(tokenizer, text):
 def test_a_call_runs_and_the_trainer_sees_exactly_the_sampled_and_the_output_ids(tiny):
     _, tokenizer, _ = tiny
     script = ["I compute: <python>print(6 * 7)</python>", " The answer is 42."]
-    engine = ToolEngine(ScriptedEngine(tokenizer, script), tokenizer, max_calls=2, run=run_python)
+    engine = tool_engine(ScriptedEngine(tokenizer, script), tokenizer, max_calls=2, run=run_python)
     prompt = encode(tokenizer, "What is 6 * 7?")
     c = generate(engine, prompt)
     first, second = encode(tokenizer, script[0]), encode(tokenizer, script[1])
@@ -92,8 +98,8 @@ def test_each_row_keeps_its_own_seed_through_the_turns(tiny):
     """Two prompts x n = 2: the engine gets one seed per row, the row's own on the first turn, then
     a seed of the row and the turn; a row that did not call has no second turn."""
     _, tokenizer, _ = tiny
-    engine = ToolEngine(ScriptedEngine(tokenizer, ["<python>print(1)</python>", " done"]),
-                        tokenizer, 2, run_python)
+    engine = tool_engine(ScriptedEngine(tokenizer, ["<python>print(1)</python>", " done"]),
+                         tokenizer, 2, run_python)
     groups = engine.generate([[1, 2], [3]], 2, seeds=[11, 12, 13, 14], temperature=0.7, top_p=1.0,
                              top_k=-1, max_tokens=64)
     assert [len(g) for g in groups] == [2, 2] and all(c.tool_calls == 1 for g in groups for c in g)
@@ -109,7 +115,7 @@ def test_max_tool_calls_the_budget_and_malformed_calls(tiny):
     calls = ["<python>print(1)</python>", "<python>print(2)</python>",
              "<python>print(3)</python> done"]
     # max_calls=1: the turn after the call may not call; its </python> is just text
-    engine = ToolEngine(ScriptedEngine(tokenizer, calls), tokenizer, max_calls=1, run=run_python)
+    engine = tool_engine(ScriptedEngine(tokenizer, calls), tokenizer, max_calls=1, run=run_python)
     c = generate(engine, prompt)
     assert (c.tool_calls == 1 and engine.engine.calls[1]["stop"] is None
             and len(engine.engine.calls) == 2)
@@ -117,20 +123,20 @@ def test_max_tool_calls_the_budget_and_malformed_calls(tiny):
     # a budget that ends before even the empty output block fits: nothing is appended (an output is
     # never left without its closing tag), the completion is truncated, no next turn
     first = len(encode(tokenizer, calls[0]))
-    engine = ToolEngine(ScriptedEngine(tokenizer, calls), tokenizer, max_calls=2, run=run_python)
+    engine = tool_engine(ScriptedEngine(tokenizer, calls), tokenizer, max_calls=2, run=run_python)
     c = generate(engine, prompt, max_tokens=first + 3)
     assert (len(c.completion_ids) == first and c.mask == [1] * first and c.truncated
             and c.tool_calls == 1)
     assert len(engine.engine.calls) == 1
     # an unclosed call at the length limit is text: nothing runs
-    engine = ToolEngine(ScriptedEngine(tokenizer, ["<python>print(1) and on and on"]), tokenizer, 2,
-                        run_python)
+    scripted = ScriptedEngine(tokenizer, ["<python>print(1) and on and on"])
+    engine = tool_engine(scripted, tokenizer, 2, run_python)
     c = generate(engine, prompt, max_tokens=6)
     assert c.tool_calls == 0 and c.truncated and c.mask == [1] * 6
     # a close without an open: nothing runs, the model is told, the call counts as failed
     ran = []
-    engine = ToolEngine(ScriptedEngine(tokenizer, ["oops </python>", " ok"]), tokenizer, 2,
-                        run=lambda code: ran.append(code) or ("", True))
+    engine = tool_engine(ScriptedEngine(tokenizer, ["oops </python>", " ok"]), tokenizer, 2,
+                         run=lambda code: ran.append(code) or ("", True))
     c = generate(engine, prompt)
     assert (not ran and (c.tool_calls, c.tool_errors) == (1, 1) and "error: no <python> before "
             "</python>" in c.text)
@@ -144,7 +150,7 @@ def test_an_output_past_the_budget_is_cut_inside_its_tags(tiny):
     script = ["<python>print(*range(100))</python>", " never"]
     first = len(encode(tokenizer, script[0]))
     frame = len(encode(tokenizer, TOOL_OUTPUT.format("")))
-    engine = ToolEngine(ScriptedEngine(tokenizer, script), tokenizer, 2, run_python)
+    engine = tool_engine(ScriptedEngine(tokenizer, script), tokenizer, 2, run_python)
     c = generate(engine, encode(tokenizer, "Go"), max_tokens=first + frame + 10)
     tool = tokenizer.decode(c.completion_ids[first:])
     assert (tool.startswith("\n<output>\n0 1 2") and tool.endswith("\n</output>\n")
@@ -157,7 +163,7 @@ def test_an_output_past_the_budget_is_cut_inside_its_tags(tiny):
 def test_greedy_tool_rollouts_have_no_logprobs(tiny):
     _, tokenizer, _ = tiny
     script = ["<python>print(6 * 7)</python>", " 42"]
-    c = generate(ToolEngine(ScriptedEngine(tokenizer, script), tokenizer, 2, run_python), [1, 2],
+    c = generate(tool_engine(ScriptedEngine(tokenizer, script), tokenizer, 2, run_python), [1, 2],
                  temperature=0.0)
     assert c.logprobs == [] and c.tool_calls == 1 and 0 in c.mask
 
@@ -270,7 +276,7 @@ def test_the_sandbox_sees_no_file_of_the_machine():
 
 def test_the_multiply_task_judges_the_models_own_last_number():
     cfg = load_config(overrides=["--task=multiply"])
-    from task import load_problems, load_task
+    from episodes.task import load_problems, load_task
 
     task = load_task(cfg)
     train, test = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
@@ -290,7 +296,7 @@ def test_the_multiply_task_judges_the_models_own_last_number():
 def test_with_tools_the_math_task_judges_only_the_models_text_after_the_last_output():
     """The tool's output may hold the right number, box or tag; only what the model wrote after it
     counts. Without tools, math judges the whole completion as before."""
-    from task import load_task
+    from episodes.task import load_task
 
     task = load_task(load_config(overrides=["--task=math", "--tools=true"]))
     p = {"question": "What is 2 + 3?", "answer": "5"}
@@ -344,7 +350,7 @@ def test_tool_tags_from_the_command_line():
 
 
 def test_the_tool_run_file_passes_preflight():
-    from preflight import preflight
+    from infra.preflight import preflight
 
     cfg = load_config(os.path.join(ROOT, "config", "multiply_tools.py"))
     assert cfg.tools and cfg.tool_tags == ("```python\n", "\n```\n")

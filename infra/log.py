@@ -2,8 +2,8 @@
 
 One line per step from rank 0 (`step 12 | reward 0.41 | acc 0.22 | ...`); every metric appended to
 out_dir/metrics.jsonl; whole groups to out_dir/samples.jsonl every sample_every steps (W6), which
-`python task.py --replay` re-scores (W5); wandb and tensorboard only when report_to names them,
-imported lazily.
+`python -m episodes.task --replay` re-scores (W5); wandb and tensorboard only when report_to names
+them, imported lazily.
 """
 
 import dataclasses
@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
-import parallel
 from config import PARITY_WARN, reporters
+from infra import parallel
 
 # the phases every step times (time/<phase> in metrics.jsonl): one list for the bench and the plot
 PHASES = ["generate", "tools", "score", "push", "sleep", "ref", "old", "update", "checkpoint",

@@ -1,6 +1,6 @@
 """Plot runs from their metrics.jsonl: reward, accuracy, KL, length, and where the time goes.
 
-    python plot.py out/default_s1 out/default_s2 --out assets/default_run.png
+    python -m run.plot out/default_s1 out/default_s2 --out assets/default_run.png
 """
 
 import argparse
@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # files only, no screen needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from log import PHASES  # noqa: E402  (the phases every step times)
+from infra.log import PHASES  # noqa: E402  (the phases every step times)
 
 PANELS = [  # (title, [(metric, label)])
     ("reward (train batch)", [("reward", "reward")]),

@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 
-import sandbox
+from scoring import execute, sandbox
 
 
 def as_components(value):
@@ -117,7 +117,7 @@ def _signal(pids, sig):
 
 def _end_leftovers():
     """After a reward call in a worker (a child subreaper): kill and reap all the reward left, but a
-    Scorer's sandbox, which serves the worker's next call (sandbox.KEPT)."""
+    Scorer's sandbox, which serves the worker's next call (execute.KEPT)."""
     deadline, ended = time.monotonic() + 5, False
     while time.monotonic() < deadline:
         try:
@@ -126,10 +126,10 @@ def _end_leftovers():
             return  # no child, so nothing below: an orphan would have become this process's child
         if pid:
             continue  # reaped one
-        if not set(_live_children().get(os.getpid(), [])) - sandbox.KEPT:
+        if not set(_live_children().get(os.getpid(), [])) - execute.KEPT:
             return  # the Scorers alone remain
         if not ended:
-            end_tree(os.getpid(), spare=sandbox.KEPT)
+            end_tree(os.getpid(), spare=execute.KEPT)
             ended = True
         else:
             time.sleep(0.001)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-import parallel
 from config import (
     DELETED,
     Config,
@@ -33,6 +32,7 @@ from config import (
     task_path,
     upgrade,
 )
+from infra import parallel
 
 
 @dataclass

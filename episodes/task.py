@@ -17,7 +17,7 @@ A task file defines three functions (tasks/larger.py is a complete example):
 
 and may define:
 
-    reference(problem)       -> a completion that earns full reward (`python task.py --audit`)
+    reference(problem)       -> a completion that earns full reward (the audit's)
     COMPLETION_PREFIX = "<think>"   the answer's first words, written by the prompt, not sampled;
                                     the reward sees them in front of the completion (R1-Zero's
                                     template ends with it)
@@ -39,8 +39,8 @@ and may define:
                                     as Python (a library's scorer that eval()s an answer, sympy's
                                     parse_expr): the reward then runs in the sandbox, a child
                                     process a call, where text compiled during the call may only be
-                                    literals, arithmetic and sympy's functions (sandbox.Scorer);
-                                    `python task.py --audit` tells when a task needs it
+                                    literals, arithmetic and sympy's functions (execute.Scorer);
+                                    `python -m episodes.task --audit` tells when a task needs it
     STOP = ["</answer>"]            strings that end a completion (kept in it) in training and eval
                                     alike: a base model stops at its answer, not max_completion_len
     answer(completion, problem)     the completion's final answer as a normalised string, or None:
@@ -69,7 +69,8 @@ GRPOTrainer). "correct" weighs nothing there (the functions' weights do).
 
 The reward runs in a forked child process under a deadline (reward_timeout; scoring.py, one call
 from score()): a reward that raises or hangs scores 0 and is counted in reward/errors.
-`python task.py --audit TASK` tries a task's reward on completions that should not pay before a run
+`python -m episodes.task --audit TASK` tries a task's reward on completions that should not pay
+before a run
 trusts it; `--replay` re-scores a run's samples (audit.py).
 """
 
@@ -83,12 +84,12 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-import sandbox
 from config import Config, ConfigError, builtin_tasks, task_path
 from data.files import is_data_path, load_rows
-from environment import python as run_code_tool
-from scoring import task_rewards
-from shaping import score_batch
+from episodes.tools import python as run_code_tool
+from rewards import score_batch
+from scoring import execute
+from scoring.runner import task_rewards
 
 
 @dataclass
@@ -104,7 +105,7 @@ class Task:
     columns: dict = field(default_factory=dict)
     check: object = None
     runs_code: object = False  # RUNS_CODE: True, False, or a function of a problem
-    executes_text: bool = False  # EXECUTES_TEXT: the reward runs in the sandbox (sandbox.Scorer)
+    executes_text: bool = False  # EXECUTES_TEXT: the reward runs in the sandbox (execute.Scorer)
     reference: object = None  # reference(problem) -> a completion that earns full reward
     # TRL-style reward functions instead of reward(); their names are their components
     reward_funcs: list = field(default_factory=list)
@@ -124,7 +125,7 @@ class Task:
     def close(self):
         """End the sandboxed processes of EXECUTES_TEXT's rewards (they die with this one too)."""
         for f in [self.reward, *self.reward_funcs]:
-            if isinstance(f, sandbox.Scorer):
+            if isinstance(f, execute.Scorer):
                 f.close()
 
 
@@ -225,7 +226,7 @@ def load_task(cfg):
 
 
 def sandboxed_rewards(module, path, cfg, reward, extras):
-    """EXECUTES_TEXT: reward() (or each of reward_funcs) as a sandbox.Scorer of the same name."""
+    """EXECUTES_TEXT: reward() (or each of reward_funcs) as a execute.Scorer of the same name."""
     seconds = cfg.reward_timeout or Config.reward_timeout
     settings = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
 
@@ -234,7 +235,7 @@ def sandboxed_rewards(module, path, cfg, reward, extras):
         if getattr(module, name, None) is not f:
             raise ConfigError(f"task file {path}: EXECUTES_TEXT runs each reward function in the "
                               f"sandbox by its name; {name} is not a function defined in the file")
-        return sandbox.Scorer(path, module.__name__, name, seconds, settings)
+        return execute.Scorer(path, module.__name__, name, seconds, settings)
 
     if extras.get("reward_funcs"):
         extras = {**extras, "reward_funcs": [scorer(f) for f in extras["reward_funcs"]]}
@@ -435,10 +436,9 @@ def score(task, texts, problems, lengths, cfg, completion_ids=None, env_rewards=
 
 
 if __name__ == "__main__":
-    # `python task.py --audit` and `--replay` are audit.py's commands, run as that script: an
-    # import of audit here would be an edge audit -> task -> audit in the import graph
-    # (tests/test_layout.py counts every import statement, a script block's too)
+    # `python -m episodes.task --audit` and `--replay` are run/audit.py's commands, run as that
+    # module: an import of run.audit here would be an edge run -> episodes -> run in the import
+    # graph (tests/test_layout.py counts every import statement, a script block's too)
     import runpy
 
-    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "audit.py"),
-                   run_name="__main__")
+    runpy.run_module("run.audit", run_name="__main__", alter_sys=True)

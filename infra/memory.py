@@ -12,7 +12,20 @@ import os
 
 import torch
 
-from perf.logprobs import head_chunk
+# Logits per chunk of the fused head, by device type. Each chunk's backward reads and writes the
+# whole (V, H) fp32 weight gradient: on an H200 at 2^24 logits (110 positions at V = 152k) that
+# traffic takes ~5x as long as the chunk's weight-gradient matmul, at 2^27 (880 positions) about
+# as long, and the chunk's few (c, V) fp32 buffers (512 MiB each) are small beside GPU memory.
+# On a CPU, 2^24 (64 MiB of fp32) keeps them small beside the hidden states.
+HEAD_CHUNK_LOGITS = {"cuda": 2**27}
+HEAD_CHUNK_LOGITS_DEFAULT = 2**24
+
+
+def head_chunk(device_type, vocab_size):
+    """Positions per chunk of perf/logprobs.py's fused head (linear_logprobs_and_entropy) on a
+    device type ("cuda", "cpu", ...): the chunk the update peak below is estimated with."""
+    return max(1, HEAD_CHUNK_LOGITS.get(device_type, HEAD_CHUNK_LOGITS_DEFAULT) // vocab_size)
+
 
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -10,9 +10,9 @@ import shutil
 
 import torch
 
-import parallel
 from config import ConfigError
-from memory import SHAPES
+from infra import parallel
+from infra.memory import SHAPES
 
 # --------------------------------------------------------------- the model's source and the library
 

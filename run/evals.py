@@ -17,13 +17,12 @@ import warnings
 
 import torch
 
-import log
-import parallel
-from audit import check_sandbox, check_task_output
 from config import ConfigError
+from episodes.task import load_problems, load_task, multi_turn, score
+from infra import log, parallel
 from model import push_weights_iter
 from rollout import row_seeds
-from task import load_problems, load_task, multi_turn, score
+from run.audit import check_sandbox, check_task_output
 
 
 def evaluate(engine, test, cfg, seed, sampled=True):

@@ -2,8 +2,8 @@
 (memory.py's estimate) against the device, the KV cache against free RAM, a prompt and its
 completion against the model's context.
 
-    python preflight.py --config config/countdown_3b.py  # the config, the estimate term by term
-    python preflight.py --config config/countdown_3b.py --device_memory_gb=80  # and the fit
+    python -m infra.preflight --config config/countdown_3b.py  # the config, the estimate by term
+    python -m infra.preflight --config config/countdown_3b.py --device_memory_gb=80  # and the fit
 
 Where the weights come from (the folders built here, the hub, the engine): model_files.py.
 """
@@ -14,7 +14,7 @@ import os
 import sys
 
 from config import ConfigError, config_from_argv, on_gpu
-from memory import (
+from infra.memory import (
     device_memory_gib,
     estimate_memory,
     memory_table,
@@ -22,7 +22,7 @@ from memory import (
     resident_memory,
     update_peak,
 )
-from model_files import vllm_available
+from infra.model_files import vllm_available
 
 CPU_RUN_GIB = 16  # O6: an update estimated above this, with no GPU, needs an explicit --device=cpu
 
@@ -81,8 +81,8 @@ def check_cache_switch(cfg):
 
 def preflight(cfg, device_gb=None):
     """O6: fail if the KV cache, a prompt and its completion, one update or the vLLM share cannot
-    fit; print the memory estimate. device_gb: a GPU's GiB to plan against (`python preflight.py
-    --device_memory_gb=80`); None: this machine's GPU, if it has one."""
+    fit; print the memory estimate. device_gb: a GPU's GiB to plan against
+    (`python -m infra.preflight --device_memory_gb=80`); None: this machine's GPU, if it has one."""
     check_cache_switch(cfg)
     check_kv_cache(cfg)
     shape = model_shape(cfg.model)
@@ -100,7 +100,7 @@ def preflight(cfg, device_gb=None):
                 f"this run's update needs ~{update:.0f} GiB: it is sized for a GPU, and there is "
                 "none here. To run it on the CPU anyway (slowly), pass --device=cpu; `python "
                 "grpo.py` is the CPU-sized run")
-        # no device to fit: one line (python preflight.py --config X prints the whole table)
+        # no device to fit: one line (python -m infra.preflight --config X prints the whole table)
         print(f"pre-flight: update peak ~{update:.1f} GiB (of it activations "
               f"{est['activations']:.1f}, logits {est['head']:.1f}); no GPU here, so no fit check")
         return est
@@ -131,7 +131,7 @@ def gib(text):
     return size
 
 
-if __name__ == "__main__":  # python preflight.py --config RUN_FILE [--device_memory_gb=80]
+if __name__ == "__main__":  # python -m infra.preflight --config RUN_FILE [--device_memory_gb=80]
     # a GPU this machine lacks; allow_abbrev off: --device=cpu is a setting, not this flag cut short
     plan = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     plan.add_argument("--device_memory_gb", type=gib, default=None)

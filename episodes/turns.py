@@ -1,5 +1,5 @@
-"""Multi-turn episodes: an environment answers each model turn, or the model's chat-template tool
-calls run. Either one comes from the task file:
+"""Multi-turn episodes: one loop for every kind of turn. An environment answers each model turn;
+the task file gives it, or the tool turns do (episodes/tools.py):
 
     def environment(problem):      a fresh environment for each row (each of the G completions)
         return Game(problem)       with
@@ -13,50 +13,56 @@ calls run. Either one comes from the task file:
                        the accuracy); done: the episode is over
 
     TOOLS = [get_weather, python]  plain functions, their docstrings the schema (as TRL's
-                                   tools=[fn]): the chat template lists them in the prompt, the
-                                   model calls them in its template's format (Qwen2.5/Hermes:
-                                   <tool_call>{"name": ..., "arguments": {...}}</tool_call>), each
-                                   result comes back as a "tool" message; a turn without a call
-                                   ends the episode, and reward() judges the whole completion.
-                                   environment.python runs code in the sandbox; the others run in
-                                   this process, under tool_timeout
+                                   tools=[fn]): tools.ToolCalls is their environment;
+                                   episodes.tools.python runs code in the sandbox, the others run
+                                   in this process, under tool_timeout
+    tools=True                     Python in the completion's text: tools.TextTools, whose output
+                                   goes on in the model's own turn (`inline`), not a chat turn
 
     python grpo.py --task=guess             # tasks/guess.py: a number to find, told higher/lower
     python grpo.py --task=calculator        # tasks/calculator.py: a calculator to write to
 
-The rollout alternates model turns and environment turns, up to max_turns model turns and
-max_completion_len tokens in all. Everything the environment (or a tool) writes is context: its
-tokens have mask 0 (no gradient, no KL, no place in the token-mean), exactly as tools=True's output.
-Its tokens are the chat template's own, found as TRL finds them: a dummy exchange rendered with and
-without the messages, the difference taken from the end of the dummy assistant turn. The episode's
-rewards are summed over its turns (env_reward="sum") or the last one counts ("last"), and added to
-reward()'s components where the task defines reward() too. An environment that raises, returns the
-wrong type or runs past tool_timeout seconds on one call ends its episode: the completion scores 0
-and is counted in reward/errors, as a failed reward is; the run goes on.
+The rollout alternates model turns and environment turns, up to max_turns model turns
+(tools=True: max_tool_calls + 1) and max_completion_len tokens in all. Everything the environment
+(or a tool) writes is context: its tokens have mask 0 (no gradient, no KL, no place in the
+token-mean). In a chat they are the chat template's own, found as TRL finds them: a dummy exchange
+rendered with and without the messages, the difference taken from the end of the dummy assistant
+turn. The episode's rewards are summed over its turns (env_reward="sum") or the last one counts
+("last"), and added to reward()'s components where the task defines reward() too. An environment
+that raises, returns the wrong type or runs past tool_timeout seconds on one call ends its episode:
+the completion scores 0 and is counted in reward/errors, as a failed reward is; the run goes on.
 """
 
-import json
 import math
-import re
 import sys
 import time
 import traceback
 
-import parallel
-from rollout import Completion
-from sandbox import run_python
-from scoring import OutOfTime, within
-from tools import turn_seed
+from episodes.tools import ToolCalls
+from infra import parallel
+from rollout import Completion, derive_seed
+from scoring.runner import OutOfTime, within
+
+
+def turn_seed(seed, turn):
+    """The seed of an episode's turn: the row's own seed on the first turn, then one per turn
+    from it."""
+    return seed if turn == 0 else derive_seed(seed, "turn", turn)
 
 
 class EpisodeEngine:
     """Wraps an engine (rollout.py): generate() runs one episode per row, in turns. Each turn
     generates every live row in one batched call; the rows' contexts are their exact token ids so
-    far (never re-tokenised from text), and vLLM's prefix cache keeps the turns before."""
+    far (never re-tokenised from text), and vLLM's prefix cache keeps the turns before, so only
+    what the environment wrote is prefilled anew.
 
-    def __init__(self, engine, tokenizer, max_turns, timeout, combine="sum"):
+    text_tools: tools=True's tools.TextTools, the turns of a task without turns of its own."""
+
+    def __init__(self, engine, tokenizer, max_turns=4, timeout=5.0, combine="sum",
+                 text_tools=None):
         self.engine, self.tokenizer = engine, tokenizer
         self.max_turns, self.timeout, self.combine = max_turns, timeout, combine
+        self.text_tools = text_tools
 
     def wake(self, named_tensors):
         self.engine.wake(named_tensors)
@@ -64,57 +70,88 @@ class EpisodeEngine:
     def sleep(self):
         self.engine.sleep()
 
+    def episodes(self, task):
+        """(make_env(problem), model turns, deadline of one call) for `task`'s rollouts, or None:
+        one turn, the engine's own (an eval set's task without turns)."""
+        if task is not None and task.episodic:
+            return (task.environment or (lambda problem: ToolCalls(task.tools)), self.max_turns,
+                    self.timeout)
+        if self.text_tools is not None:
+            # the sandbox's own deadline (tool_timeout) bounds a call, which the model reads as an
+            # error; no second deadline that would end the episode
+            return lambda problem: self.text_tools.fresh(), self.text_tools.max_calls + 1, None
+        return None
+
     def generate(self, prompts, n, *, seeds, max_tokens, task=None, problems=None, stop=None,
                  progress=False, **sampling):
         """n episodes per prompt, as the engines' generate (seeds: one per row); task: the one the
-        prompts are of; problems: one per prompt, each row's environment made from its own. A task
-        without an environment or TOOLS (an eval set's) gets one turn, the engine's own."""
-        if task is None or not task.episodic:
+        prompts are of; problems: one per prompt, each row's environment made from its own."""
+        episodes = self.episodes(task)
+        if episodes is None:
             return self.engine.generate(prompts, n, seeds=seeds, max_tokens=max_tokens, stop=stop,
                                         progress=progress, **sampling)
-        make_env = task.environment or (lambda problem: ToolCalls(task.tools))
+        make_env, turns, timeout = episodes
+        problems = problems or [None] * len(prompts)
         rows = [Completion(list(p), [], "", [], False, mask=[], env_rewards={})
                 for p in prompts for _ in range(n)]
-        chat = [not isinstance(task.prompt(p), str) for p in problems]  # else a raw prompt
-        envs = [start(rows[r], make_env, problems[r // n], self.timeout) for r in range(len(rows))]
+        chat = [task is not None and p is not None and not isinstance(task.prompt(p), str)
+                for p in problems]  # else a raw prompt
+        envs = [start(rows[r], make_env, problems[r // n], timeout) for r in range(len(rows))]
         live = [r for r in range(len(rows)) if alive(rows[r])]
-        for turn in range(self.max_turns):
+        for turn in range(turns):
             # every rank decides alike: FSDP's HF engine generates in lockstep
             if parallel.all_max(len(live)) == 0:
                 break
+            last = turn == turns - 1
+            # tools=True: the turn pauses at the close tag for the call, but the last may not call
+            pause = getattr(envs[live[0]], "pause", None) if live else None
             outs = self.engine.generate(
                 [rows[r].prompt_ids + rows[r].completion_ids for r in live], 1,
                 seeds=[turn_seed(seeds[r], turn) for r in live],  # each turn its own draw
                 max_tokens=[max_tokens - len(rows[r].completion_ids) for r in live],
-                stop=stop, progress=progress, **sampling)
+                stop=[*(stop or []), pause] if pause and not last else stop or None,
+                progress=progress, **sampling)
             going = []
             for r, [out] in zip(live, outs):
-                row = rows[r]
-                append(row, out.completion_ids, out.logprobs, model=True)
-                row.truncated = out.truncated
-                action = self.tokenizer.decode(out.completion_ids, skip_special_tokens=True)
-                observation, done = step(row, envs[r], action, self.timeout, self.combine)
-                if done or row.truncated or turn == self.max_turns - 1:
-                    continue
-                try:  # the observation as tokens: text, or messages the template renders
-                    ids = self.observation_ids(observation, out.completion_ids, chat[r // n])
-                except Exception:
-                    fail(row, "wrong type", "the observation could not be rendered:\n"
-                         + traceback.format_exc())
-                    continue
-                room = max_tokens - len(row.completion_ids)
-                if len(ids) >= room:  # no room for the model to answer it: the episode is cut here
-                    row.truncated = True
-                    continue
-                append(row, ids, [0.0] * len(ids) if sampling["temperature"] > 0 else [],
-                       model=False)
-                row.tool_calls += 1
-                going.append(r)
+                if self.answer(rows[r], envs[r], out, chat[r // n], max_tokens, timeout,
+                               sampled=sampling["temperature"] > 0, last=last):
+                    going.append(r)
             live = going
         for row, env in zip(rows, envs):
-            row.tool_errors += getattr(env, "errors", 0)  # ToolCalls: the tools that failed
+            row.tool_errors += getattr(env, "errors", 0)  # the tool calls that failed
             row.text = self.tokenizer.decode(row.completion_ids, skip_special_tokens=True)
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def answer(self, row, env, out, chat, max_tokens, timeout, sampled, last):
+        """The model's turn `out` appended to `row`, and the environment's answer to it if the
+        episode goes on: whether the model takes another turn."""
+        append(row, out.completion_ids, out.logprobs, model=True)
+        row.truncated = out.truncated
+        inline = getattr(env, "inline", False)
+        if inline and out.stop_string != env.pause:  # no call: the model has answered
+            return False
+        action = self.tokenizer.decode(out.completion_ids, skip_special_tokens=True)
+        observation, done = step(row, env, action, timeout, self.combine)
+        if done or row.truncated or last:
+            return False
+        room = max_tokens - len(row.completion_ids)
+        if inline:  # cut to fit, inside its frame
+            ids, cut = env.output_ids(self.tokenizer, observation, room)
+        else:
+            try:  # the observation as tokens: text, or messages the template renders
+                ids = self.observation_ids(observation, out.completion_ids, chat)
+            except Exception:
+                fail(row, "wrong type", "the observation could not be rendered:\n"
+                     + traceback.format_exc())
+                return False
+            if len(ids) >= room:  # no room for the model to answer it: the episode is cut here
+                row.truncated = True
+                return False
+            cut = False
+        append(row, ids, [0.0] * len(ids) if sampled else [], model=False)
+        row.tool_calls += 1
+        row.truncated = cut or len(ids) >= room  # no room left for the model to go on
+        return not row.truncated
 
     def observation_ids(self, observation, sampled, chat):
         """The tokens after the model's turn: the observation, then the assistant's next turn
@@ -174,7 +211,7 @@ def step(row, env, action, timeout, combine):
 
 def first_turn(make_env, problem, action, timeout):
     """The rewards of one model turn `action` in a fresh environment of `problem`, or why it
-    failed: what `python task.py --audit` tries its adversarial completions on."""
+    failed: what `python -m episodes.task --audit` tries its adversarial completions on."""
     row = Completion([], [], "", [], False, env_rewards={})
     env = start(row, make_env, problem, timeout)
     if alive(row):
@@ -183,10 +220,11 @@ def first_turn(make_env, problem, action, timeout):
 
 
 def call(row, timeout, fn, *args):
-    """fn(*args) within `timeout` seconds (tool_timeout); a failure ends the row's episode."""
+    """fn(*args) within `timeout` seconds (tool_timeout; None: fn bounds itself); a failure ends the
+    row's episode."""
     begun = time.perf_counter()
     try:
-        return within(timeout, fn, *args)
+        return fn(*args) if timeout is None else within(timeout, fn, *args)
     except OutOfTime:
         fail(row, "timeout", f"{getattr(fn, '__qualname__', fn)} ran past tool_timeout={timeout} s")
     except Exception:
@@ -246,73 +284,3 @@ def chat_suffix(tokenizer, messages):
 def encode_chat(tokenizer, messages, **kwargs):
     text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     return tokenizer(text, add_special_tokens=False).input_ids
-
-
-# ---------------------------------------------------------------- chat-template tool calls
-
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # Qwen2.5, Hermes, and others
-
-
-def parse_tool_calls(text):
-    """The model's calls in a turn: [(name, arguments dict)] from Hermes-style <tool_call> JSON;
-    a call that does not parse is (None, why)."""
-    calls = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body)
-            name, arguments = call["name"], call.get("arguments", {})
-            if isinstance(arguments, str):  # some models write the arguments as a JSON string
-                arguments = json.loads(arguments)
-            if not isinstance(name, str) or not isinstance(arguments, dict):
-                raise TypeError("name must be a string and arguments an object")
-            calls.append((name, arguments))
-        except (ValueError, KeyError, TypeError) as e:
-            calls.append((None, f"the call {body[:200]!r} is not JSON with a name and "
-                                f"arguments: {e}"))
-    return calls
-
-
-def python(code: str) -> str:
-    """Run Python code and return what it prints.
-
-    Args:
-        code: the program; print what you want to see
-    """
-    # in the sandbox (sandbox.py), never in this process; its deadline inside tool_timeout's default
-    output, ok = run_python(code, timeout=3.0, max_output=500)
-    if not ok:  # raised, killed, or no sandbox here: the model reads why, the call counts as failed
-        raise RuntimeError(output)
-    return output
-
-
-class ToolCalls:
-    """TOOLS as an environment: the turn's calls run (in this process, under tool_timeout for the
-    whole turn; python() in the sandbox), each result a tool message; a turn without a call ends the
-    episode. A call that fails (an unknown name, bad arguments, the tool raised) gets its error as
-    its result, and is counted in tools/error_rate; the episode goes on."""
-
-    def __init__(self, tools):
-        self.tools = {f.__name__: f for f in tools}
-        self.errors = 0
-
-    def reset(self):
-        return None
-
-    def step(self, action):
-        calls = parse_tool_calls(action)
-        if not calls:  # rewards: none of its own ({}), reward() judges the whole completion
-            return None, {}, True
-        results = []
-        for name, arguments in calls:
-            try:
-                if name is None:
-                    raise ValueError(arguments)
-                if name not in self.tools:
-                    raise ValueError(f"no tool {name!r}; the tools are {sorted(self.tools)}")
-                result = str(self.tools[name](**arguments))
-            except Exception as e:
-                self.errors += 1
-                result = json.dumps({"error": f"{type(e).__name__}: {e}"})
-            results.append({"role": "tool", "name": name or "unknown", "content": result})
-        return results, {}, False
-

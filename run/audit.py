@@ -2,8 +2,10 @@
 
     check_sandbox, check_task_output   # pre-flight of every run: the sandbox, prompt() and reward()
 
-    python task.py --audit TASK [--config RUN] [--key=value ...]   # audit: adversarial completions
-    python task.py --replay out/run/samples.jsonl                  # replay (W5): re-score a run
+    python -m episodes.task --audit TASK [--config RUN] [--key=value ...]  # adversarial completions
+    python -m episodes.task --replay out/run/samples.jsonl  # replay (W5): re-score a run
+
+(`python -m run.audit` runs the same.)
 
 The audit scores the task's reward, through the path a run uses (forked workers, reward_timeout),
 on completions that should not pay (audit_cases, a fuzz of the reference, names of a library
@@ -21,13 +23,12 @@ import sys
 import tempfile
 import time
 
-import sandbox
 from config import Config, ConfigError, config_from_argv, load_saved
-from environment import first_turn
-from rewards import extract_answer
-from scoring import NOT_COLUMNS, is_chat, task_rewards
-from shaping import score_batch
-from task import binds, load_problems, load_task, reward_shaping
+from episodes.task import binds, load_problems, load_task, reward_shaping
+from episodes.turns import first_turn
+from rewards import extract_answer, score_batch
+from scoring import sandbox
+from scoring.runner import NOT_COLUMNS, is_chat, task_rewards
 
 
 def check_sandbox(cfg, task, problems):
@@ -141,8 +142,8 @@ FRAME_NAMES = ("oracle_answer", "answer", "entry", "metadata", "valid_solutions"
 
 
 def audit(task_name, argv=()):
-    """python task.py --audit TASK [--config RUN] [--key=value ...]: the task's reward against
-    adversarial completions (audit_cases) and a fuzz of its reference(problem), on the first
+    """python -m episodes.task --audit TASK [--config RUN] [--key=value ...]: the task's reward
+    against adversarial completions (audit_cases) and a fuzz of its reference(problem), on the first
     AUDIT_PROBLEMS problems, through task_rewards as a run scores (forked workers, reward_timeout).
     Prints each crash, timeout, non-number, slow call and suspicious reward: one that reaches the
     reference's, or that the task calls correct, without giving a right answer. Returns the number
@@ -405,7 +406,7 @@ def as_text(components):
 
 
 def main(argv):
-    """python task.py --audit TASK ... | --replay FILE: exits 1 where a check failed."""
+    """python -m episodes.task --audit TASK ... | --replay FILE: exits 1 where a check failed."""
     if len(argv) == 2 and argv[0] == "--replay":
         sys.exit(1 if replay(argv[1]) else 0)
     if len(argv) >= 2 and argv[0] == "--audit":
@@ -413,8 +414,8 @@ def main(argv):
             sys.exit(1 if audit(argv[1], argv[2:]) else 0)
         except ConfigError as e:
             sys.exit(f"error: {e}")
-    sys.exit("usage: python task.py --replay out/run/samples.jsonl\n"
-             "       python task.py --audit TASK [--config RUN] [--key=value ...]")
+    sys.exit("usage: python -m episodes.task --replay out/run/samples.jsonl\n"
+             "       python -m episodes.task --audit TASK [--config RUN] [--key=value ...]")
 
 
 if __name__ == "__main__":

@@ -14,23 +14,23 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-import parallel
-from audit import check_sandbox, check_task_output
-from checkpoint import claim_out_dir
 from config import ConfigError, config_from_argv, save_config
 from data.sampler import CurriculumSampler, PromptSampler
-from environment import EpisodeEngine
-from evals import load_eval_tasks
-from log import output_to
+from episodes.task import load_problems, load_task, tokenize_prompts
+from episodes.tools import TextTools
+from episodes.turns import EpisodeEngine
+from infra import parallel
+from infra.checkpoint import claim_out_dir
+from infra.log import output_to
+from infra.model_files import BUILT_HERE, auto_engine, check_model_source
+from infra.preflight import preflight
 from model import load_policy, load_reference, model_path
-from model_files import BUILT_HERE, auto_engine, check_model_source
 from perf import cpu
 from perf.logprobs import fused_head_unsupported
-from preflight import preflight
 from rollout import HFEngine, VLLMEngine
-from sandbox import run_python
-from task import load_problems, load_task, tokenize_prompts
-from tools import ToolEngine
+from run.audit import check_sandbox, check_task_output
+from run.evals import load_eval_tasks
+from scoring.execute import run_python
 
 
 @dataclass
@@ -137,10 +137,12 @@ def make_engine(cfg, path, device, policy, tokenizer, task=None):
         # FSDP2: every rank steps until the slowest is done
         synced = parallel.world() > 1 and cfg.parallel == "fsdp"
         engine = HFEngine(policy, tokenizer, synced_gpus=synced, dtype=cfg.dtype)
-    if cfg.tools:  # multi-turn rollouts: the model may run Python mid-completion, in the sandbox
+    text_tools = None
+    if cfg.tools:  # the model may run Python mid-completion, in the sandbox
         run = functools.partial(run_python, timeout=cfg.tool_timeout,
                                 max_output=cfg.tool_output_chars)
-        engine = ToolEngine(engine, tokenizer, cfg.max_tool_calls, run, cfg.tool_tags)
-    if task is not None and task.episodic:  # an environment (or TOOLS) answers each model turn
-        engine = EpisodeEngine(engine, tokenizer, cfg.max_turns, cfg.tool_timeout, cfg.env_reward)
+        text_tools = TextTools(run, cfg.max_tool_calls, cfg.tool_tags)
+    if text_tools or (task is not None and task.episodic):  # rollouts in turns (episodes/turns.py)
+        engine = EpisodeEngine(engine, tokenizer, cfg.max_turns, cfg.tool_timeout, cfg.env_reward,
+                               text_tools)
     return engine, name

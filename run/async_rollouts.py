@@ -38,8 +38,8 @@ from collections import deque
 
 import torch
 
-import parallel
-from log import timed
+from infra import parallel
+from infra.log import timed
 from model import push_weights_iter
 
 
@@ -261,7 +261,7 @@ def sampler_main(items, path, device, ring, tags, layout, conn, first, sampler_s
                  parent):
     """The sampler process: for each step from `first`, wait for the weights it needs, make the
     step's rollouts as the plain loop's collect phase does, send them; then the final eval."""
-    import sandbox
+    from scoring import sandbox
 
     sandbox.die_with_parent(parent)  # kill -9 of the trainer ends the sampler too
     try:
@@ -274,13 +274,13 @@ def sampler_main(items, path, device, ring, tags, layout, conn, first, sampler_s
 def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_state, phases):
     from transformers import AutoTokenizer
 
-    import sandbox
     from config import Config, derive
-    from evals import evaluate_all, evaluate_in_run, load_eval_tasks
+    from episodes.task import load_problems, load_task, tokenize_prompts
+    from infra.model_files import auto_engine
     from model import load_policy
-    from model_files import auto_engine
-    from prepare import Split, eval_split, make_engine, make_sampler
-    from task import load_problems, load_task, tokenize_prompts
+    from run.evals import evaluate_all, evaluate_in_run, load_eval_tasks
+    from run.prepare import Split, eval_split, make_engine, make_sampler
+    from scoring import sandbox
 
     # its device is its own: no sleep mode (nothing else needs the memory between batches)
     cfg = derive(Config(**{**items, "vllm_sleep_level": 0}))
