@@ -15,7 +15,6 @@ import ast
 import dataclasses
 import difflib
 import importlib.util
-import json
 import math
 import os
 import warnings
@@ -355,7 +354,7 @@ def _closest(name, options=()):
     return f" Did you mean '{match[0]}'?" if match else ""
 
 
-def _coerce(name, value, default):
+def coerce(name, value, default):
     """Check a value from a run file against the default's type; ints may stand for floats."""
     want = type(default)
     if want is float and type(value) is int:
@@ -402,7 +401,7 @@ def parse_value(name, text, default):
     except (ValueError, SyntaxError, TypeError):
         raise ConfigError(f"--{name}={text}: cannot parse as {type(default).__name__} "
                           f"(default {default!r})") from None
-    return _coerce(name, value, default)
+    return coerce(name, value, default)
 
 
 def _check_name(name, where):
@@ -505,7 +504,7 @@ def load_config(path=None, overrides=()):
             if name.startswith("_") or type(value).__name__ == "module":
                 continue
             if _check_name(name, path):
-                setattr(cfg, name, _coerce(name, value, getattr(Config(), name)))
+                setattr(cfg, name, coerce(name, value, getattr(Config(), name)))
             else:
                 task_given.append((path, name, value))
     for arg in overrides:
@@ -530,7 +529,7 @@ def load_config(path=None, overrides=()):
         if where == "command line":
             value = parse_value(name, value, options[name])
             print(f"override: {name} = {value!r}")
-        cfg.task_options[name] = _coerce(name, value, options[name])
+        cfg.task_options[name] = coerce(name, value, options[name])
     return validate(derive(cfg))
 
 
@@ -551,58 +550,7 @@ def config_from_argv(argv):
     return load_config(path, argv)
 
 
-def save_config(cfg, path):
-    """Write the final config as JSON (beside metrics and in every checkpoint)."""
-    with open(path, "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
-
-
-def upgrade(saved):
-    """A config an older version saved (save_config's JSON) in today's settings: a deleted
-    setting's value moves to the setting that holds it now (a weight only off its old default,
-    which is today's)."""
-    saved = dict(saved)
-    if "is_seq_cap" in saved and saved.get("is_correction") == "sequence":  # a completion's rho
-        saved["is_cap"] = saved["is_seq_cap"]  # is capped by is_cap now
-    if saved.get("is_correction") in ("token", "sequence"):  # the level and is_mode, one name now
-        saved["is_correction"] += "_" + saved.get("is_mode", "truncate")
-    old = [k for k in ("correct_weight", "format_weight") if k in saved]
-    if old:  # reward_weights could not weigh correct, format or parsed then: those did nothing
-        weights = {k: v for k, v in pairs("reward_weights", saved.get("reward_weights", "")).items()
-                   if k not in ("correct", "format", "parsed")}
-        weights.update({k.removesuffix("_weight"): saved[k] for k in old
-                        if saved[k] != DELETED[k][0]})
-        saved["reward_weights"] = ",".join(f"{k}:{v}" for k, v in weights.items())
-    if "env_timeout" in saved and not saved.get("tools"):  # the deadline an episode had, at its
-        saved["tool_timeout"] = saved["env_timeout"]  # default too (tool_timeout did nothing then)
-    for now, (first, second) in MERGED.items():
-        if first in saved:
-            saved[now] = [saved[first], saved[second]]
-    return saved
-
-
-def load_saved(path):
-    """The Config a run saved with save_config (e.g. out/run/config.json), derived again."""
-    with open(path) as f:
-        saved = upgrade(json.load(f))
-    cfg = Config()
-    for f in dataclasses.fields(Config):
-        # a dict under a settable name is an older version's derived value
-        if f.init and f.name in saved and not isinstance(saved[f.name], dict):
-            setattr(cfg, f.name, _coerce(f.name, saved[f.name], f.default))
-    options = run_options(cfg)
-    given = saved_task_options(saved, options)
-    cfg.task_options = {k: _coerce(k, given.get(k, v), v) for k, v in options.items()}
-    return derive(cfg)
-
-
 # ---------------------------------------------------------------- pre-flight (O6)
-
-
-def saved_task_options(saved, names):
-    """The task options in a saved config (save_config's JSON): its task_options, or, saved by an
-    older version, those of `names` beside the settings."""
-    return saved.get("task_options") or {k: saved[k] for k in names if k in saved}
 
 
 def need(ok, message):
@@ -612,7 +560,17 @@ def need(ok, message):
 
 
 def validate(cfg):
-    """Settings that cannot work: fail before any model loads, saying what to change (O6)."""
+    """Settings that cannot work: fail before any model loads, saying what to change (O6). What
+    this machine lacks, and settings that run but mislead, are pre-flight's (infra/preflight.py)."""
+    check_values(cfg)
+    check_batch(cfg)
+    check_update(cfg)
+    check_sampling(cfg)
+    return cfg
+
+
+def check_values(cfg):
+    """Each setting alone: one of its choices, finite, in its range."""
     for name, allowed in CHOICES.items():
         value = getattr(cfg, name)
         need(value in allowed, f"{name}={value!r}; choose one of {allowed}")
@@ -622,10 +580,23 @@ def validate(cfg):
         items = value if isinstance(value, tuple) else (value,)
         need(not f.init or all(not isinstance(v, float) or math.isfinite(v) for v in items),
              f"{f.name}={value} must be a finite number (default {f.default})")
-    check_out_dir(cfg.out_dir)
-    check_machine(cfg)
     for name in ("seed", "data_seed"):  # vLLM keeps its seed as an int64, torch as a uint64
         need(0 <= getattr(cfg, name) < 2**63, f"{name}={getattr(cfg, name)} must be in 0..2**63-1")
+    for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations",
+                 "mini_batches", "kl_window", "train_size", "eval_n",
+                 "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha",
+                 "test_size", "max_tool_calls", "tool_output_chars"):
+        need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
+    for name in ("adv_clip", "entropy_coef", "warmup_steps", "weight_decay",
+                 "grad_clip", "lora_rank", "length_soft_limit", "length_min",
+                 "curriculum_ramp_steps", "save_every", "eval_every", "sample_every",
+                 "sample_groups", "temperature_end", "dynamic_sampling_rounds",
+                 "ref_refresh_steps", "reward_workers", "reward_timeout", "tool_error_penalty"):
+        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
+
+
+def check_batch(cfg):
+    """The batch: whole groups, split evenly over ranks, mini-batches and micro-batches."""
     G = cfg.group_size
     need(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} must be >= 1: the completions of a "
                               f"step, a multiple of group_size={G} (e.g. {8 * G})")
@@ -650,6 +621,20 @@ def validate(cfg):
     dataset = cfg.task.endswith((".jsonl", ".parquet", ".csv")) or os.path.isdir(cfg.task)
     need(not (cfg.data_path and dataset), f"task={cfg.task!r} is a dataset and "
                                           f"data_path={cfg.data_path!r} another; set one of them")
+    need(not cfg.prompts_per_step % cfg.mini_batches,
+         f"mini_batches={cfg.mini_batches} must divide the {cfg.prompts_per_step} prompts of a "
+         "step (batch_size / group_size): each mini-batch takes whole groups")
+    need(not cfg.async_rollouts or cfg.vllm_tensor_parallel == 1,
+         "async_rollouts runs one sampler process on one device; vllm_tensor_parallel must be 1")
+    longest = cfg.max_prompt_len + cfg.max_completion_len
+    need(cfg.micro_batch_tokens >= longest,
+         f"micro_batch_tokens={cfg.micro_batch_tokens} cannot hold one prompt plus its longest "
+         f"completion ({cfg.max_prompt_len} + {cfg.max_completion_len} = {longest}); raise "
+         f"micro_batch_tokens to >= {longest} or lower max_completion_len")
+
+
+def check_update(cfg):
+    """The loss, the reference, the optimizer and the importance weights (L1-L8, F1, F2, R8)."""
     need(not (cfg.ref_refresh_steps and cfg.beta == 0),
          f"ref_refresh_steps={cfg.ref_refresh_steps} refreshes the reference, but beta=0 means "
          "there is none; set beta > 0 (e.g. 0.001) or ref_refresh_steps=0 (F1)")
@@ -662,9 +647,6 @@ def validate(cfg):
     need(0 < cfg.clip_eps < 1, f"clip_eps={cfg.clip_eps} must be in (0, 1); 0.2 is standard (L1)")
     need(not cfg.clip_eps_high or cfg.clip_eps <= cfg.clip_eps_high < 10,
          f"clip_eps_high={cfg.clip_eps_high} must be >= clip_eps={cfg.clip_eps} (or 0 = same)")
-    need(not cfg.prompts_per_step % cfg.mini_batches,
-         f"mini_batches={cfg.mini_batches} must divide the {cfg.prompts_per_step} prompts of a "
-         "step (batch_size / group_size): each mini-batch takes whole groups")
     need(0 <= cfg.entropy_top_quantile < 1,
          f"entropy_top_quantile={cfg.entropy_top_quantile} must be in [0, 1); 0.2 keeps the top "
          "20% of tokens by entropy, 0 = off")
@@ -679,25 +661,16 @@ def validate(cfg):
                                                   "beta > 0 (e.g. 0.001) or adaptive_kl=False")
     need(len(cfg.kl_band) == 2 and cfg.kl_band[0] < cfg.kl_band[1],
          f"kl_band={cfg.kl_band} must be two KLs, the first below the second, e.g. 0.01,0.08 (F2)")
-    for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations",
-                 "mini_batches", "kl_window", "train_size", "eval_n",
-                 "keep_checkpoints", "vllm_cpu_kv_cache_gb", "lora_alpha",
-                 "test_size", "max_tool_calls", "tool_output_chars"):
-        need(getattr(cfg, name) >= 1, f"{name}={getattr(cfg, name)} must be >= 1")
-    for name in ("adv_clip", "entropy_coef", "warmup_steps", "weight_decay",
-                 "grad_clip", "lora_rank", "length_soft_limit", "length_min",
-                 "curriculum_ramp_steps", "save_every", "eval_every", "sample_every",
-                 "sample_groups", "temperature_end", "dynamic_sampling_rounds",
-                 "ref_refresh_steps", "reward_workers", "reward_timeout", "tool_error_penalty"):
-        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
     need(cfg.is_cap > 1, f"is_cap={cfg.is_cap} must be > 1 (TRL uses 2-3)")
     need(0 <= cfg.is_floor < 1, f"is_floor={cfg.is_floor} must be in [0, 1) (IcePop: 0.5)")
     need(cfg.max_staleness >= 1, f"max_staleness={cfg.max_staleness} must be >= 1 (R8: 1 is one "
                                  "batch ahead)")
-    need(not cfg.async_rollouts or cfg.vllm_tensor_parallel == 1,
-         "async_rollouts runs one sampler process on one device; vllm_tensor_parallel must be 1")
     need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
+
+
+def check_sampling(cfg):
+    """The sampler and the turns: temperatures, tool tags and deadlines (R1, R4)."""
     need(0 < cfg.gpu_memory_utilization < 1, f"gpu_memory_utilization="
          f"{cfg.gpu_memory_utilization} must be in (0, 1); 0.3-0.5 (R1)")
     need(0 < cfg.temperature and 0 < cfg.top_p <= 1,
@@ -719,90 +692,3 @@ def validate(cfg):
     need(cfg.max_turns >= 1, f"max_turns={cfg.max_turns}: an episode has at least one model turn")
     need(cfg.env_reward in ("sum", "last"), f"env_reward={cfg.env_reward!r}: 'sum' (the turns' "
                                              "rewards added) or 'last' (the last turn's)")
-    warn_misleading(cfg)
-    longest = cfg.max_prompt_len + cfg.max_completion_len
-    need(cfg.micro_batch_tokens >= longest,
-         f"micro_batch_tokens={cfg.micro_batch_tokens} cannot hold one prompt plus its longest "
-         f"completion ({cfg.max_prompt_len} + {cfg.max_completion_len} = {longest}); raise "
-         f"micro_batch_tokens to >= {longest} or lower max_completion_len")
-    return cfg
-
-
-def check_out_dir(path):
-    """out_dir is a folder, or one that can be made: not empty, not a file, a writable parent."""
-    need(path.strip(), "out_dir is empty; name the run's folder (metrics, samples, checkpoints), "
-                       "e.g. out/myrun")
-    need(not os.path.exists(path) or os.path.isdir(path),
-         f"out_dir={path!r} is a file, not a folder; choose another out_dir")
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):  # the folder that makedirs would create the rest under
-        parent = os.path.dirname(parent)
-    why = "is a file" if not os.path.isdir(parent) else "is not writable"
-    need(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK),
-         f"out_dir={path!r} cannot be created: {parent} {why}; choose another")
-
-
-def check_machine(cfg):
-    """Settings that ask this machine for what it lacks: a GPU, the wandb or tensorboard package."""
-    import torch
-
-    need(cfg.device != "cuda" or torch.cuda.is_available(),
-         "device='cuda', but torch sees no CUDA GPU here; use --device=cpu or auto")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    need(not (cfg.async_rollouts and on_gpu) or torch.cuda.device_count() > world,
-         f"async_rollouts on GPUs: the sampler takes the GPU after the {world} trainer rank(s), "
-         f"and this machine has {torch.cuda.device_count()}; run one rank fewer")
-    for package in reporters(cfg.report_to):
-        need(importlib.util.find_spec(package) is not None,
-             f"report_to={cfg.report_to!r} needs the {package} package: pip install {package}, "
-             "or leave it out of report_to (metrics.jsonl has every metric)")
-
-
-def warn_misleading(cfg):
-    """Settings that run but do not do what their name suggests: warn, saying what to change."""
-    if cfg.tools and any("\\n" in tag for tag in cfg.tool_tags):  # the shell took the quotes
-        warnings.warn(f"tool_tags={cfg.tool_tags!r} hold a backslash and an n, not a newline, so "
-                      "the model's calls may never match; on a command line quote the tags: "
-                      """--tool_tags='"```python\\n","\\n```\\n"'""")
-    if cfg.ratio_level == "sequence":  # L8, GSPO
-        if cfg.loss_agg == "token-mean":
-            warnings.warn("ratio_level='sequence' (GSPO) with loss_agg='token-mean' weighs each "
-                          "completion by its length; GSPO averages per sequence: set "
-                          "loss_agg='seq-mean'")
-        if cfg.clip_eps > 0.01:
-            warnings.warn(f"ratio_level='sequence' with clip_eps={cfg.clip_eps}: a geometric-mean "
-                          "ratio almost never leaves 1 +- 0.2, so nothing is clipped; GSPO uses "
-                          "clip_eps=3e-4, clip_eps_high=4e-4")
-        if cfg.num_iterations == 1 and cfg.mini_batches == 1:
-            warnings.warn("ratio_level='sequence' with num_iterations=1: every ratio is exactly 1, "
-                          "so the gradient equals the token-level one; GSPO differs only when "
-                          "num_iterations > 1 or mini_batches > 1")
-    variant = []  # the settings that act only through a ratio != 1
-    if cfg.policy_loss != "clip":
-        variant.append(f"policy_loss={cfg.policy_loss!r}")
-    if cfg.dual_clip:
-        variant.append(f"dual_clip={cfg.dual_clip}")
-    if variant and cfg.num_iterations == 1 and cfg.mini_batches == 1:  # L1, L7
-        warnings.warn(f"{', '.join(variant)} with one optimizer step per batch: every ratio is "
-                      "exactly 1, where CISPO, SAPO, GPG and dual-clip all give GRPO's gradient; "
-                      "they differ from the second step on a batch on (num_iterations > 1 or "
-                      "mini_batches > 1)")
-    if cfg.async_rollouts and cfg.is_correction == "off" and cfg.old_logprobs == "recompute":
-        warnings.warn(f"async_rollouts: each batch comes from weights up to {cfg.max_staleness} "
-                      "update(s) old and nothing corrects for it (R8); set "
-                      "is_correction=token_truncate (TIS; token_mask with is_floor=0.5 for "
-                      "IcePop's band) or sequence_mask, or old_logprobs=sampler")
-    if cfg.old_logprobs == "sampler" and cfg.is_correction.endswith("_truncate"):
-        warnings.warn("old_logprobs=sampler puts q in the ratio already; a truncated IS weight "
-                      "pi_old / q on top counts the gap twice: use is_correction=token_mask or "
-                      "sequence_mask (a band), or off")
-    if not LR_USUAL[0] <= cfg.lr <= LR_USUAL[1]:  # O1: an AdamW step moves each weight by ~lr
-        warnings.warn(f"lr={cfg.lr:g} is far outside the usual range ({LR_USUAL[0]:g} to "
-                      f"{LR_USUAL[1]:g}; 1e-6 to 1e-5 for full fine-tuning of a 1-8B model): the "
-                      "first update may destroy the model, or none may move it")
-    if cfg.top_p < 1 or cfg.top_k > 0:
-        warnings.warn(f"top_p={cfg.top_p}, top_k={cfg.top_k}: the sampler's logprobs are "
-                      "renormalised over the kept tokens while the trainer's are over the whole "
-                      "vocabulary, so the two sides of the ratio (and the parity metric) differ by "
-                      "construction; use top_p=1, top_k=-1 for GRPO (R5)")

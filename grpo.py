@@ -47,27 +47,26 @@ logprobs, the CPU settings).
 
 import functools
 import math
-import random
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from advantage import group_advantages, group_stats
 from config import ConfigError
-from episodes.task import multi_turn, score, tokenize_prompts
+from episodes.task import multi_turn, score
 from infra import log, parallel
-from infra.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from infra.log import Diverged, Logger, diverged, dump_samples, memory_gb, timed
+from infra.checkpoint import save_checkpoint
+from infra.log import Diverged, Logger, diverged, dump_samples, end_step, memory_gb, timed
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
 from model import push_weights_iter, self_attending_mask, sequence_logprobs
 from perf import shared_prompt
-from rollout import row_seeds
+from rollout import Rollouts, row_seeds
 from run.async_rollouts import AsyncRollouts, Phases, load_pending
 from run.evals import eval_only, evaluate_in_run, wake_and_evaluate
-from run.prepare import Split, build_models, eval_split, make_engine, make_sampler, prepare_run
+from run.prepare import make_engine, start_run
 
 # ---------------------------------------------------------------- seeds and schedules
 
@@ -92,76 +91,6 @@ def eval_is_due(cfg, step):
 
 
 # ---------------------------------------------------------------- rollouts (R3, R7, W1)
-
-@dataclass
-class Rollouts:
-    """Scored completions of whole groups, the G rows of a prompt contiguous. Fields are (N,):
-    N = this rank's prompts x G."""
-
-    problem: list  # index of each row's problem
-    # rollout.Completion per row; empty in a gathered() copy (they stay on their rank)
-    completions: list
-    rewards: torch.Tensor  # shaped reward per row (W2, W3)
-    components: dict  # the reward's parts (correct, format, ...) -> (N,); shaped into rewards
-    lengths: torch.Tensor  # completion tokens per row
-    truncated: torch.Tensor  # 1.0 where the completion hit max_completion_len (R6)
-    tool_calls: torch.Tensor  # tool calls per row (all 0 without tools)
-    tool_errors: torch.Tensor  # of those, the calls that failed
-    tool_tokens: torch.Tensor  # tokens of the tools' output: context, not trained on
-    score_seconds: float = 0.0
-    tool_seconds: float = 0.0
-    policy_version: int = None  # R8: updates the weights that made it had seen (async only)
-
-    def __len__(self):
-        return len(self.rewards)
-
-    def component(self, name):
-        """(N,) values of a reward component; 0 on rows that did not report it (as score_batch)."""
-        return self.components.get(name, torch.zeros(len(self)))
-
-    def rows(self, rows, names=None):
-        """These rows, in this order; components `names` (default: this batch's)."""
-        names = list(self.components) if names is None else names
-        return replace(
-            self, problem=[self.problem[r] for r in rows],
-            completions=[self.completions[r] for r in rows] if self.completions else [],
-            components={k: self.component(k)[rows] for k in names},
-            **{f: getattr(self, f)[rows] for f in ROW_TENSORS})
-
-    def groups(self, which, G):
-        """The rows of the given group indices, in order."""
-        return self.rows([g * G + j for g in which for j in range(G)])
-
-    def __add__(self, other):
-        """Both batches' rows, self's first (R7's refills). Components: both batches' names (a task
-        may report a component for some problems only; a batch whose rewards all failed has errors
-        alone)."""
-        names = sorted({*self.components, *other.components})
-        return replace(
-            self, problem=self.problem + other.problem,
-            completions=self.completions + other.completions,
-            components={k: torch.cat([self.component(k), other.component(k)]) for k in names},
-            score_seconds=self.score_seconds + other.score_seconds,
-            tool_seconds=self.tool_seconds + other.tool_seconds,
-            **{f: torch.cat([getattr(self, f), getattr(other, f)]) for f in ROW_TENSORS})
-
-    def gathered(self):
-        """Every rank's rows in rank order (= one process's order), without the completions."""
-
-        def gather(t):
-            return torch.tensor(parallel.all_gather_list(t.tolist()))
-
-        # every rank gathers the union of the ranks' component names, in one order
-        names = sorted(set(parallel.all_gather_list(sorted(self.components))))
-        return replace(
-            self, problem=parallel.all_gather_list(self.problem), completions=[],
-            components={k: gather(self.component(k)) for k in names},
-            **{f: gather(getattr(self, f)) for f in ROW_TENSORS})
-
-
-# Rollouts' (N,) tensors: rows(), + and gathered() take each alike (replace() copies the rest)
-ROW_TENSORS = tuple(f.name for f in fields(Rollouts) if f.type is torch.Tensor)
-
 
 def generate_and_score(engine, train, idx, seeds, cfg, temperature):
     """G completions for each prompt index in idx, scored by the task's reward (W1)."""
@@ -641,142 +570,123 @@ def adapt_beta(state, kl, cfg):
         state.kl_history = []
 
 
-def end_step(cfg, step, metrics, t_step, final_eval, logger, save):
-    """M2 after the last update (final_eval()), the log line (written before the checkpoint, so a
-    resume never loses it), the checkpoint when one is due. Returns the checkpoint's seconds
-    (logged next step)."""
-    last = step == cfg.max_steps - 1
-    if last:
-        t0 = time.perf_counter()
-        metrics.update(final_eval())
-        metrics["eval/updates"] = step + 1
-        metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
-    metrics["time/step"] = time.perf_counter() - t_step
-    if logger is not None:  # rank 0
-        logger.log(metrics)
-    t0 = time.perf_counter()
-    if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-        save()
-    return time.perf_counter() - t0
-
-
 # ---------------------------------------------------------------- the run
 
 
 def main(argv, wrap_engine=lambda engine: engine):
     """Train (or with eval_only, evaluate). wrap_engine lets a test observe the engine's calls."""
-    cfg, device, path, resume_from, task, (train_problems, test_problems), eval_tasks = prepare_run(
-        argv)
-    # train_model: the policy, wrapped by DDP under torchrun with parallel=ddp (else the same
-    # object: FSDP2 shards it in place); the gradient passes go through it, the no-grad ones not
-    tokenizer, policy, train_model, ref, params, optimizer = build_models(cfg, path, device,
-                                                                          resume_from)
-    prompt_sampler = make_sampler(cfg, len(train_problems))  # the prompts of each step (D2, D3)
-    train = Split(task, train_problems,
-                  tokenize_prompts(tokenizer, task, train_problems, cfg.max_prompt_len))
-    test = Split(task, test_problems,
-                 tokenize_prompts(tokenizer, task, test_problems, cfg.max_prompt_len))
-    eval_sets = [test, *(eval_split(tokenizer, *found, cfg) for found in eval_tasks)]  # M2
-    state = TrainState(beta=cfg.beta, run_id=f"{random.Random().getrandbits(64):016x}")
-    if resume_from:
-        state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, prompt_sampler)
+    run = start_run(argv)  # the config and pre-flight, models, data, a resume (run/prepare.py)
+    cfg = run.cfg
     if cfg.async_rollouts and not cfg.eval_only:  # R8: a sampler process makes the rollouts
         phases = Phases(collect_rollouts, temperature_at, eval_is_due)
-        rollouts = AsyncRollouts(cfg, path, device, policy, prompt_sampler, state.step, phases,
-                                 load_pending(resume_from, Rollouts))
-        engine_name, final_eval = f"{cfg.engine} in a sampler process", rollouts.final_eval
-        extra = rollouts.checkpoint_files  # the batches made for the steps after a checkpoint
+        run.rollouts = AsyncRollouts(cfg, run.path, run.device, run.policy, run.prompt_sampler,
+                                     run.state.step, phases, load_pending(run.resume_from))
+        run.engine_name = f"{cfg.engine} in a sampler process"
+        run.final_eval = run.rollouts.final_eval
+        extra = run.rollouts.checkpoint_files  # the batches made for the steps after a checkpoint
     else:
-        engine, engine_name = make_engine(cfg, path, device, policy, tokenizer, task)
-        engine = wrap_engine(engine)
-        final_eval = functools.partial(wake_and_evaluate, engine, policy, eval_sets, cfg)
+        engine, run.engine_name = make_engine(cfg, run.path, run.device, run.policy, run.tokenizer,
+                                              run.train.task)
+        run.engine = wrap_engine(engine)
+        run.final_eval = functools.partial(wake_and_evaluate, run.engine, run.policy,
+                                           run.eval_sets, cfg)
         extra = None
     if cfg.eval_only:
-        eval_only(cfg, engine, policy, eval_sets)
-        return policy
-    logger = Logger(cfg, state.run_id) if parallel.rank() == 0 else None
+        eval_only(cfg, run.engine, run.policy, run.eval_sets)
+        return run.policy
+    run.logger = Logger(cfg, run.state.run_id) if parallel.rank() == 0 else None
     # save() writes a checkpoint of the run as it stands when called (state is one object)
-    save = functools.partial(save_checkpoint, cfg, policy, ref, tokenizer, optimizer,
-                             prompt_sampler, state, extra=extra)
-    G = cfg.group_size
-    checkpoint_seconds = 0.0
-    next_parity_warning = 0
-    print(f"GRPO: {cfg.model} on {cfg.task}, engine {engine_name}, device {device} ({cfg.dtype}), "
-          f"ranks {parallel.world()}, steps {state.step}..{cfg.max_steps}")
+    run.save = functools.partial(save_checkpoint, cfg, run.policy, run.ref, run.tokenizer,
+                                 run.optimizer, run.prompt_sampler, run.state, extra=extra)
+    print(f"GRPO: {cfg.model} on {cfg.task}, engine {run.engine_name}, device {run.device} "
+          f"({cfg.dtype}), ranks {parallel.world()}, steps {run.state.step}..{cfg.max_steps}")
+    for step in range(run.state.step, cfg.max_steps):
+        train_step(run, step)
+    return run.policy
 
-    for step in range(state.step, cfg.max_steps):
-        t_step, times, memory = time.perf_counter(), {}, {}
-        temperature = temperature_at(step, cfg)
-        if cfg.async_rollouts:  # R8: made meanwhile by the sampler process, with older weights
-            batch, drawn, rounds, evals = rollouts.next(step, times)
-        else:
-            # ---- wake the engine, push the policy into it (R1, R2); eval every eval_every steps
-            with timed(times, "time/push"):
-                engine.wake(push_weights_iter(policy))  # weights, push, KV
-            memory["mem/after_wake_gb"] = memory_gb()
-            evals = {}
-            if eval_is_due(cfg, step):  # M2: every eval_every steps, before the update
-                evals = evaluate_in_run(engine, eval_sets, cfg, step)
 
-            # ---- sample prompts, generate G completions each, score them; R7 refills; D2
-            batch, drawn, rounds = collect_rollouts(engine, prompt_sampler, train, cfg, step,
-                                                    temperature, times)
+def train_step(run, step):
+    """One step of GRPO, its phases in run order (the module's docstring lists them)."""
+    cfg, state, policy, G = run.cfg, run.state, run.policy, run.cfg.group_size
+    t_step, times, memory = time.perf_counter(), {}, {}
+    temperature = temperature_at(step, cfg)
+    batch, drawn, rounds, evals = rollout_phase(run, step, temperature, times, memory)
 
-            # ---- put the engine to sleep: its GPU memory goes to the update (R1)
-            with timed(times, "time/sleep"):
-                engine.sleep()
-            memory["mem/after_sleep_gb"] = memory_gb()
-
-        # ---- group statistics of every group drawn (A4)
-        stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
-        metrics = log.rollout_metrics(step, drawn, stats, batch, rounds, state.beta, temperature,
-                                      cfg, multi_turn(cfg, train.task))
-        metrics.update({**times, **memory, **evals})
-        if parallel.all_sum(len(batch)) == 0:  # R7's filter dropped every group: nothing to train
-            if cfg.dynamic_sampling_rounds:  # without refills a step like this is no surprise
-                print(f"step {step}: no group with a reward spread after {rounds} refill rounds; "
-                      "skipping the update")
-            state.step = step + 1
-            if cfg.async_rollouts:  # R8: the sampler waits for this version's tag
-                rollouts.push(policy, state.step)
-            metrics["skipped_empty_batch"] = 1
-            checkpoint_seconds = end_step(cfg, step, metrics, t_step, final_eval, logger, save)
-            continue
-
-        # ---- advantages against each prompt's group (A1-A3): GRPO's replacement for a critic
-        advantages = group_advantages(batch.rewards, G, cfg,  # the adv_* settings, by name
-                                      batch_sum=parallel.all_sum)  # (N,) this rank's rows
-
-        # ---- tensors, masks, micro-batches; the old and reference logprobs once (F1, L7)
-        idle = set()
-        if cfg.skip_zero_gradient:  # exact: no pass over rows whose gradient is 0; they still count
-            idle = zero_gradient_rows(batch, cfg)
-        ub = prepare_update(batch, advantages, cfg, tokenizer.pad_token_id, device, idle)
-        passes = old_and_ref_logprobs(policy, ref, ub, cfg, state.beta, temperature, times)
-
-        # ---- the update: num_iterations epochs, one optimizer step per mini-batch (L1-L7, O1, O2)
-        lr = set_lr(optimizer, step, cfg)
-        with timed(times, "time/update"):
-            update = update_policy(train_model, optimizer, params, ub, passes, cfg, temperature,
-                                   state)
-        if cfg.ref_refresh_steps and (step + 1) % cfg.ref_refresh_steps == 0:  # F1: catch up
-            ref.load_state_dict(policy.state_dict())  # under FSDP2: shard to shard
+    # ---- group statistics of every group drawn (A4)
+    stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
+    metrics = log.rollout_metrics(step, drawn, stats, batch, rounds, state.beta, temperature,
+                                  cfg, multi_turn(cfg, run.train.task))
+    metrics.update({**times, **memory, **evals})
+    if parallel.all_sum(len(batch)) == 0:  # R7's filter dropped every group: nothing to train
+        if cfg.dynamic_sampling_rounds:  # without refills a step like this is no surprise
+            print(f"step {step}: no group with a reward spread after {rounds} refill rounds; "
+                  "skipping the update")
         state.step = step + 1
-        if cfg.async_rollouts:  # R8: the new weights to the sampler, for the batches to come
-            rollouts.push(policy, state.step)
+        if cfg.async_rollouts:  # R8: the sampler waits for this version's tag
+            run.rollouts.push(policy, state.step)
+        metrics["skipped_empty_batch"] = 1
+        run.checkpoint_seconds = end_step(cfg, step, metrics, t_step, run.final_eval, run.logger,
+                                          run.save)
+        return
 
-        # ---- log (M1) and check parity (R2); adaptive KL (F2); sample dumps (W6)
-        metrics.update(log.step_metrics(update, ub, lr))
-        metrics.update({"time/checkpoint": checkpoint_seconds, **times})
-        next_parity_warning = log.warn_on_parity(metrics, cfg, step, next_parity_warning)
-        if cfg.adaptive_kl:
-            adapt_beta(state, metrics["kl"], cfg)
-        if cfg.sample_every and step % cfg.sample_every == 0:
-            dump_samples(cfg, step, batch, advantages, train_problems, tokenizer)
+    # ---- advantages against each prompt's group (A1-A3): GRPO's replacement for a critic
+    advantages = group_advantages(batch.rewards, G, cfg,  # the adv_* settings, by name
+                                  batch_sum=parallel.all_sum)  # (N,) this rank's rows
 
-        # ---- eval after the last update (M2), the log line, checkpoint
-        checkpoint_seconds = end_step(cfg, step, metrics, t_step, final_eval, logger, save)
-    return policy
+    # ---- tensors, masks, micro-batches; the old and reference logprobs once (F1, L7)
+    idle = set()
+    if cfg.skip_zero_gradient:  # exact: no pass over rows whose gradient is 0; they still count
+        idle = zero_gradient_rows(batch, cfg)
+    ub = prepare_update(batch, advantages, cfg, run.tokenizer.pad_token_id, run.device, idle)
+    passes = old_and_ref_logprobs(policy, run.ref, ub, cfg, state.beta, temperature, times)
+
+    # ---- the update: num_iterations epochs, one optimizer step per mini-batch (L1-L7, O1, O2)
+    lr = set_lr(run.optimizer, step, cfg)
+    with timed(times, "time/update"):
+        update = update_policy(run.train_model, run.optimizer, run.params, ub, passes, cfg,
+                               temperature, state)
+    if cfg.ref_refresh_steps and (step + 1) % cfg.ref_refresh_steps == 0:  # F1: catch up
+        run.ref.load_state_dict(policy.state_dict())  # under FSDP2: shard to shard
+    state.step = step + 1
+    if cfg.async_rollouts:  # R8: the new weights to the sampler, for the batches to come
+        run.rollouts.push(policy, state.step)
+
+    # ---- log (M1) and check parity (R2); adaptive KL (F2); sample dumps (W6)
+    metrics.update(log.step_metrics(update, ub, lr))
+    metrics.update({"time/checkpoint": run.checkpoint_seconds, **times})
+    run.next_parity_warning = log.warn_on_parity(metrics, cfg, step, run.next_parity_warning)
+    if cfg.adaptive_kl:
+        adapt_beta(state, metrics["kl"], cfg)
+    if cfg.sample_every and step % cfg.sample_every == 0:
+        dump_samples(cfg, step, batch, advantages, run.train.problems, run.tokenizer)
+
+    # ---- eval after the last update (M2), the log line, checkpoint
+    run.checkpoint_seconds = end_step(cfg, step, metrics, t_step, run.final_eval, run.logger,
+                                      run.save)
+
+
+def rollout_phase(run, step, temperature, times, memory):
+    """The step's batch: (batch, drawn, rounds, evals), as collect_rollouts gives them, and the
+    evals when due."""
+    if run.cfg.async_rollouts:  # R8: made meanwhile by the sampler process, with older weights
+        return run.rollouts.next(step, times)
+    # ---- wake the engine, push the policy into it (R1, R2); eval every eval_every steps
+    with timed(times, "time/push"):
+        run.engine.wake(push_weights_iter(run.policy))  # weights, push, KV
+    memory["mem/after_wake_gb"] = memory_gb()
+    evals = {}
+    if eval_is_due(run.cfg, step):  # M2: every eval_every steps, before the update
+        evals = evaluate_in_run(run.engine, run.eval_sets, run.cfg, step)
+
+    # ---- sample prompts, generate G completions each, score them; R7 refills; D2
+    batch, drawn, rounds = collect_rollouts(run.engine, run.prompt_sampler, run.train, run.cfg,
+                                            step, temperature, times)
+
+    # ---- put the engine to sleep: its GPU memory goes to the update (R1)
+    with timed(times, "time/sleep"):
+        run.engine.sleep()
+    memory["mem/after_sleep_gb"] = memory_gb()
+    return batch, drawn, rounds, evals
 
 
 if __name__ == "__main__":

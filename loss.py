@@ -39,6 +39,33 @@ class LossSettings:
     entropy_coef: float = 0.0
 
 
+def policy_ratio(logprobs, old_logprobs, mask, level="token"):
+    """(log_ratio, ratio), each (B, T): pi / pi_old per token ("token", GRPO), or per completion
+    ("sequence", GSPO, L8: the geometric mean of its token ratios, exp(mean_t log r_t)), 0 and 1 off
+    the mask. old_logprobs is detached."""
+    # Masked positions are zeroed *before* exp, so padding values (even -inf) cannot make a NaN.
+    # The ratio is new / old policy. (Some blog code divides by the reference instead: wrong.)
+    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)
+    if level == "sequence":
+        seq_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)  # (B,) log geometric mean
+        log_ratio = torch.where(mask, seq_log_ratio[:, None].expand_as(log_ratio), 0.0)
+    elif level != "token":
+        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {level!r}")
+    return log_ratio, torch.exp(log_ratio)
+
+
+def aggregate(per_token, mask, loss_agg, num_tokens=None, num_seqs=None, max_completion_len=0):
+    """L2: the scalar loss of (B, T) per-token losses, zero off the mask (grpo_loss's loss_agg)."""
+    B, T = mask.shape
+    if loss_agg == "token-mean":
+        return per_token.sum() / max(num_tokens if num_tokens is not None else mask.sum().item(), 1)
+    if loss_agg == "seq-mean":
+        return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / (num_seqs or B)
+    if loss_agg == "dr-grpo":
+        return per_token.sum() / ((num_seqs or B) * (max_completion_len or T))
+    raise ValueError(f"loss_agg must be 'token-mean', 'seq-mean' or 'dr-grpo', got {loss_agg!r}")
+
+
 def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(), *,
               ref_logprobs=None, beta=0.0, entropy=None, num_tokens=None, num_seqs=None,
               is_weights=None, pg_mask=None):
@@ -88,16 +115,7 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(),
     mask = mask.bool()
     eps_high = s.clip_eps_high or s.clip_eps
     adv = advantages.to(logprobs.dtype)[:, None]  # (B, 1): one advantage for a completion's tokens
-    # Masked positions are zeroed *before* exp, so padding values (even -inf) cannot make a NaN.
-    # The ratio is new / old policy. (Some blog code divides by the reference instead: wrong.)
-    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
-    if s.ratio_level == "sequence":
-        seq_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)  # (B,) log geometric mean
-        log_ratio = torch.where(mask, seq_log_ratio[:, None].expand_as(log_ratio), 0.0)
-    elif s.ratio_level != "token":
-        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {s.ratio_level!r}")
-    ratio = torch.exp(log_ratio)
-    # (B, T)
+    log_ratio, ratio = policy_ratio(logprobs, old_logprobs, mask, s.ratio_level)  # (B, T) each
     per_token = policy_gradient_term(s, eps_high, ratio, torch.where(mask, logprobs, 0.0), adv)
     if is_weights is not None:  # R2: the tokens came from the sampler, not from pi_old exactly
         per_token = per_token * is_weights.detach()
@@ -113,17 +131,7 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(),
             raise ValueError("entropy_coef > 0 needs the entropy tensor (token_logprobs)")
         per_token = per_token - s.entropy_coef * entropy  # L5: a bonus, so it lowers the loss
     per_token = torch.where(mask, per_token, 0.0)
-
-    B, T = mask.shape
-    if s.loss_agg == "token-mean":
-        loss = per_token.sum() / max(num_tokens if num_tokens is not None else mask.sum().item(), 1)
-    elif s.loss_agg == "seq-mean":
-        loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / (num_seqs or B)
-    elif s.loss_agg == "dr-grpo":
-        loss = per_token.sum() / ((num_seqs or B) * (s.max_completion_len or T))
-    else:
-        raise ValueError(f"loss_agg must be 'token-mean', 'seq-mean' or 'dr-grpo', "
-                         f"got {s.loss_agg!r}")
+    loss = aggregate(per_token, mask, s.loss_agg, num_tokens, num_seqs, s.max_completion_len)
     metrics = _metrics(mask, ratio, log_ratio, adv, s.clip_eps, eps_high, kl, entropy)
     if s.dual_clip:  # the tokens whose loss dual-clip bounded: A < 0 and r > dual_clip
         metrics["dual_clip_frac"] = _metrics_mean(mask, (ratio > s.dual_clip) & (adv < 0))

@@ -6,12 +6,13 @@ directly with the trainer's recomputed logprobs. Each row (one completion) has i
 of its place in the run (derive_seed), so a resumed run, or N ranks, sample what one process would
 (docs/engine.md). Both sample with exactly the settings the trainer assumes, nothing from the
 model's generation_config (a repetition penalty there would make the samples off-policy), and both
-stop on the same tokens (stop_tokens).
+stop on the same tokens (stop_tokens). A step's scored completions travel as one Rollouts: whole
+groups, a row per completion.
 """
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 from tqdm import tqdm
@@ -39,6 +40,76 @@ class Completion:
     # an environment's episode (environment.py): its rewards {name: value}, or why it failed
     # ("error", "timeout", "wrong type"); None without an environment
     env_rewards: object = None
+
+
+@dataclass
+class Rollouts:
+    """Scored completions of whole groups, the G rows of a prompt contiguous. Fields are (N,):
+    N = this rank's prompts x G."""
+
+    problem: list  # index of each row's problem
+    # rollout.Completion per row; empty in a gathered() copy (they stay on their rank)
+    completions: list
+    rewards: torch.Tensor  # shaped reward per row (W2, W3)
+    components: dict  # the reward's parts (correct, format, ...) -> (N,); shaped into rewards
+    lengths: torch.Tensor  # completion tokens per row
+    truncated: torch.Tensor  # 1.0 where the completion hit max_completion_len (R6)
+    tool_calls: torch.Tensor  # tool calls per row (all 0 without tools)
+    tool_errors: torch.Tensor  # of those, the calls that failed
+    tool_tokens: torch.Tensor  # tokens of the tools' output: context, not trained on
+    score_seconds: float = 0.0
+    tool_seconds: float = 0.0
+    policy_version: int = None  # R8: updates the weights that made it had seen (async only)
+
+    def __len__(self):
+        return len(self.rewards)
+
+    def component(self, name):
+        """(N,) values of a reward component; 0 on rows that did not report it (as score_batch)."""
+        return self.components.get(name, torch.zeros(len(self)))
+
+    def rows(self, rows, names=None):
+        """These rows, in this order; components `names` (default: this batch's)."""
+        names = list(self.components) if names is None else names
+        return replace(
+            self, problem=[self.problem[r] for r in rows],
+            completions=[self.completions[r] for r in rows] if self.completions else [],
+            components={k: self.component(k)[rows] for k in names},
+            **{f: getattr(self, f)[rows] for f in ROW_TENSORS})
+
+    def groups(self, which, G):
+        """The rows of the given group indices, in order."""
+        return self.rows([g * G + j for g in which for j in range(G)])
+
+    def __add__(self, other):
+        """Both batches' rows, self's first (R7's refills). Components: both batches' names (a task
+        may report a component for some problems only; a batch whose rewards all failed has errors
+        alone)."""
+        names = sorted({*self.components, *other.components})
+        return replace(
+            self, problem=self.problem + other.problem,
+            completions=self.completions + other.completions,
+            components={k: torch.cat([self.component(k), other.component(k)]) for k in names},
+            score_seconds=self.score_seconds + other.score_seconds,
+            tool_seconds=self.tool_seconds + other.tool_seconds,
+            **{f: torch.cat([getattr(self, f), getattr(other, f)]) for f in ROW_TENSORS})
+
+    def gathered(self):
+        """Every rank's rows in rank order (= one process's order), without the completions."""
+
+        def gather(t):
+            return torch.tensor(parallel.all_gather_list(t.tolist()))
+
+        # every rank gathers the union of the ranks' component names, in one order
+        names = sorted(set(parallel.all_gather_list(sorted(self.components))))
+        return replace(
+            self, problem=parallel.all_gather_list(self.problem), completions=[],
+            components={k: gather(self.component(k)) for k in names},
+            **{f: gather(getattr(self, f)) for f in ROW_TENSORS})
+
+
+# Rollouts' (N,) tensors: rows(), + and gathered() take each alike (replace() copies the rest)
+ROW_TENSORS = tuple(f.name for f in fields(Rollouts) if f.type is torch.Tensor)
 
 
 def derive_seed(*key):

@@ -191,8 +191,7 @@ def synthetic_batch(cfg, tokenizer, prompt_lens, completion_lens, seed=0):
 
     import torch
 
-    from grpo import Rollouts
-    from rollout import Completion
+    from rollout import Completion, Rollouts
 
     rng = random.Random(seed)
     V, G = len(tokenizer), cfg.group_size

@@ -5,6 +5,9 @@ LoRA adapter only, with LoRA), the tokenizer, optimizer.pt, rng.pt, trainer_stat
 beta, the sampler's state) and grpo_config.json. It is written to a temp folder and renamed, so a
 kill at any moment leaves the last one whole, and a resume continues the same run, data order
 included (D3).
+
+The saved config (save_config, load_saved) is JSON of every setting, beside the metrics and in
+every checkpoint; one an older version saved is read in today's settings (upgrade).
 """
 
 import dataclasses
@@ -23,16 +26,74 @@ import torch
 
 from config import (
     DELETED,
+    MERGED,
     Config,
     ConfigError,
+    coerce,
     declared_options,
+    derive,
+    pairs,
     reward_weights,
-    save_config,
-    saved_task_options,
+    run_options,
     task_path,
-    upgrade,
 )
 from infra import parallel
+
+# ---------------------------------------------------------------- the saved config
+
+
+def save_config(cfg, path):
+    """Write the final config as JSON (beside metrics and in every checkpoint)."""
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+
+
+def upgrade(saved):
+    """A config an older version saved (save_config's JSON) in today's settings: a deleted
+    setting's value moves to the setting that holds it now (a weight only off its old default,
+    which is today's)."""
+    saved = dict(saved)
+    if "is_seq_cap" in saved and saved.get("is_correction") == "sequence":  # a completion's rho
+        saved["is_cap"] = saved["is_seq_cap"]  # is capped by is_cap now
+    if saved.get("is_correction") in ("token", "sequence"):  # the level and is_mode, one name now
+        saved["is_correction"] += "_" + saved.get("is_mode", "truncate")
+    old = [k for k in ("correct_weight", "format_weight") if k in saved]
+    if old:  # reward_weights could not weigh correct, format or parsed then: those did nothing
+        weights = {k: v for k, v in pairs("reward_weights", saved.get("reward_weights", "")).items()
+                   if k not in ("correct", "format", "parsed")}
+        weights.update({k.removesuffix("_weight"): saved[k] for k in old
+                        if saved[k] != DELETED[k][0]})
+        saved["reward_weights"] = ",".join(f"{k}:{v}" for k, v in weights.items())
+    if "env_timeout" in saved and not saved.get("tools"):  # the deadline an episode had, at its
+        saved["tool_timeout"] = saved["env_timeout"]  # default too (tool_timeout did nothing then)
+    for now, (first, second) in MERGED.items():
+        if first in saved:
+            saved[now] = [saved[first], saved[second]]
+    return saved
+
+
+def load_saved(path):
+    """The Config a run saved with save_config (e.g. out/run/config.json), derived again."""
+    with open(path) as f:
+        saved = upgrade(json.load(f))
+    cfg = Config()
+    for f in dataclasses.fields(Config):
+        # a dict under a settable name is an older version's derived value
+        if f.init and f.name in saved and not isinstance(saved[f.name], dict):
+            setattr(cfg, f.name, coerce(f.name, saved[f.name], f.default))
+    options = run_options(cfg)
+    given = saved_task_options(saved, options)
+    cfg.task_options = {k: coerce(k, given.get(k, v), v) for k, v in options.items()}
+    return derive(cfg)
+
+
+def saved_task_options(saved, names):
+    """The task options in a saved config (save_config's JSON): its task_options, or, saved by an
+    older version, those of `names` beside the settings."""
+    return saved.get("task_options") or {k: saved[k] for k in names if k in saved}
+
+
+# ---------------------------------------------------------------- checkpoints
 
 
 @dataclass

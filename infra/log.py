@@ -276,6 +276,25 @@ def warn_on_parity(metrics, cfg, step, next_warning):
     return step + 10
 
 
+def end_step(cfg, step, metrics, t_step, final_eval, logger, save):
+    """M2 after the last update (final_eval()), the log line (written before the checkpoint, so a
+    resume never loses it), the checkpoint when one is due. Returns the checkpoint's seconds
+    (logged next step)."""
+    last = step == cfg.max_steps - 1
+    if last:
+        t0 = time.perf_counter()
+        metrics.update(final_eval())
+        metrics["eval/updates"] = step + 1
+        metrics["time/eval"] = metrics.get("time/eval", 0.0) + time.perf_counter() - t0
+    metrics["time/step"] = time.perf_counter() - t_step
+    if logger is not None:  # rank 0
+        logger.log(metrics)
+    t0 = time.perf_counter()
+    if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+        save()
+    return time.perf_counter() - t0
+
+
 class Diverged(RuntimeError):
     """The policy's outputs or updates are no longer finite: the run stops, saying why."""
 

@@ -1,6 +1,8 @@
-"""Pre-flight (O6): the checks that run before any model loads: the memory one update needs
-(memory.py's estimate) against the device, the KV cache against free RAM, a prompt and its
-completion against the model's context.
+"""Pre-flight (O6): the checks that run before any model loads. config.validate has refused the
+settings that cannot work anywhere; here: what this machine lacks for them (check_run: a GPU, a
+logger's package, a writable out_dir), settings that run but mislead (warned), and the memory one
+update needs (memory.py's estimate) against the device, the KV cache against free RAM, a prompt and
+its completion against the model's context (preflight).
 
     python -m infra.preflight --config config/countdown_3b.py  # the config, the estimate by term
     python -m infra.preflight --config config/countdown_3b.py --device_memory_gb=80  # and the fit
@@ -10,10 +12,12 @@ Where the weights come from (the folders built here, the hub, the engine): model
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
+import warnings
 
-from config import ConfigError, config_from_argv, on_gpu
+from config import LR_USUAL, ConfigError, config_from_argv, need, on_gpu, reporters
 from infra.memory import (
     device_memory_gib,
     estimate_memory,
@@ -23,6 +27,99 @@ from infra.memory import (
     update_peak,
 )
 from infra.model_files import vllm_available
+
+
+def check_run(cfg):
+    """What a run of `cfg` needs of this machine (out_dir, check_machine), and the settings that run
+    but do not do what their names suggest (warn_misleading). Returns cfg."""
+    check_out_dir(cfg.out_dir)
+    check_machine(cfg)
+    warn_misleading(cfg)
+    return cfg
+
+
+def check_out_dir(path):
+    """out_dir is a folder, or one that can be made: not empty, not a file, a writable parent."""
+    need(path.strip(), "out_dir is empty; name the run's folder (metrics, samples, checkpoints), "
+                       "e.g. out/myrun")
+    need(not os.path.exists(path) or os.path.isdir(path),
+         f"out_dir={path!r} is a file, not a folder; choose another out_dir")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):  # the folder that makedirs would create the rest under
+        parent = os.path.dirname(parent)
+    why = "is a file" if not os.path.isdir(parent) else "is not writable"
+    need(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK),
+         f"out_dir={path!r} cannot be created: {parent} {why}; choose another")
+
+
+def check_machine(cfg):
+    """Settings that ask this machine for what it lacks: a GPU, the wandb or tensorboard package."""
+    import torch
+
+    need(cfg.device != "cuda" or torch.cuda.is_available(),
+         "device='cuda', but torch sees no CUDA GPU here; use --device=cpu or auto")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    need(not (cfg.async_rollouts and on_gpu) or torch.cuda.device_count() > world,
+         f"async_rollouts on GPUs: the sampler takes the GPU after the {world} trainer rank(s), "
+         f"and this machine has {torch.cuda.device_count()}; run one rank fewer")
+    for package in reporters(cfg.report_to):
+        need(importlib.util.find_spec(package) is not None,
+             f"report_to={cfg.report_to!r} needs the {package} package: pip install {package}, "
+             "or leave it out of report_to (metrics.jsonl has every metric)")
+
+
+def warn_misleading(cfg):
+    """Settings that run but do not do what their name suggests: warn, saying what to change."""
+    if cfg.tools and any("\\n" in tag for tag in cfg.tool_tags):  # the shell took the quotes
+        warnings.warn(f"tool_tags={cfg.tool_tags!r} hold a backslash and an n, not a newline, so "
+                      "the model's calls may never match; on a command line quote the tags: "
+                      """--tool_tags='"```python\\n","\\n```\\n"'""")
+    if cfg.ratio_level == "sequence":  # L8, GSPO
+        if cfg.loss_agg == "token-mean":
+            warnings.warn("ratio_level='sequence' (GSPO) with loss_agg='token-mean' weighs each "
+                          "completion by its length; GSPO averages per sequence: set "
+                          "loss_agg='seq-mean'")
+        if cfg.clip_eps > 0.01:
+            warnings.warn(f"ratio_level='sequence' with clip_eps={cfg.clip_eps}: a geometric-mean "
+                          "ratio almost never leaves 1 +- 0.2, so nothing is clipped; GSPO uses "
+                          "clip_eps=3e-4, clip_eps_high=4e-4")
+        if cfg.num_iterations == 1 and cfg.mini_batches == 1:
+            warnings.warn("ratio_level='sequence' with num_iterations=1: every ratio is exactly 1, "
+                          "so the gradient equals the token-level one; GSPO differs only when "
+                          "num_iterations > 1 or mini_batches > 1")
+    variant = []  # the settings that act only through a ratio != 1
+    if cfg.policy_loss != "clip":
+        variant.append(f"policy_loss={cfg.policy_loss!r}")
+    if cfg.dual_clip:
+        variant.append(f"dual_clip={cfg.dual_clip}")
+    if variant and cfg.num_iterations == 1 and cfg.mini_batches == 1:  # L1, L7
+        warnings.warn(f"{', '.join(variant)} with one optimizer step per batch: every ratio is "
+                      "exactly 1, where CISPO, SAPO, GPG and dual-clip all give GRPO's gradient; "
+                      "they differ from the second step on a batch on (num_iterations > 1 or "
+                      "mini_batches > 1)")
+    if cfg.async_rollouts and cfg.is_correction == "off" and cfg.old_logprobs == "recompute":
+        warnings.warn(f"async_rollouts: each batch comes from weights up to {cfg.max_staleness} "
+                      "update(s) old and nothing corrects for it (R8); set "
+                      "is_correction=token_truncate (TIS; token_mask with is_floor=0.5 for "
+                      "IcePop's band) or sequence_mask, or old_logprobs=sampler")
+    if cfg.old_logprobs == "sampler" and cfg.is_correction.endswith("_truncate"):
+        warnings.warn("old_logprobs=sampler puts q in the ratio already; a truncated IS weight "
+                      "pi_old / q on top counts the gap twice: use is_correction=token_mask or "
+                      "sequence_mask (a band), or off")
+    if not LR_USUAL[0] <= cfg.lr <= LR_USUAL[1]:  # O1: an AdamW step moves each weight by ~lr
+        warnings.warn(f"lr={cfg.lr:g} is far outside the usual range ({LR_USUAL[0]:g} to "
+                      f"{LR_USUAL[1]:g}; 1e-6 to 1e-5 for full fine-tuning of a 1-8B model): the "
+                      "first update may destroy the model, or none may move it")
+    if cfg.top_p < 1 or cfg.top_k > 0:
+        warnings.warn(f"top_p={cfg.top_p}, top_k={cfg.top_k}: the sampler's logprobs are "
+                      "renormalised over the kept tokens while the trainer's are over the whole "
+                      "vocabulary, so the two sides of the ratio (and the parity metric) differ by "
+                      "construction; use top_p=1, top_k=-1 for GRPO (R5)")
+
+
+# ---------------------------------------------------------------- memory
+
 
 CPU_RUN_GIB = 16  # O6: an update estimated above this, with no GPU, needs an explicit --device=cpu
 
@@ -138,6 +235,7 @@ if __name__ == "__main__":  # python -m infra.preflight --config RUN_FILE [--dev
     args, argv = plan.parse_known_args(sys.argv[1:])
     try:
         cfg = config_from_argv(argv)
+        check_run(cfg)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     for f in dataclasses.fields(cfg):

@@ -41,6 +41,7 @@ import torch
 from infra import parallel
 from infra.log import timed
 from model import push_weights_iter
+from rollout import Rollouts
 
 
 @dataclasses.dataclass
@@ -49,8 +50,8 @@ class Made:
 
     step: int
     version: int  # updates the weights it was made with had seen
-    batch: object  # grpo.Rollouts, the whole step's (every rank's rows)
-    drawn: object  # grpo.Rollouts, every row drawn (R7: before its filter)
+    batch: object  # rollout.Rollouts, the whole step's (every rank's rows)
+    drawn: object  # rollout.Rollouts, every row drawn (R7: before its filter)
     rounds: int  # R7's refill rounds
     times: dict  # the sampler's phase times: time/generate, time/score, time/push, time/sleep
     evals: dict  # M2 at this step (evaluate_in_run), or {}
@@ -175,22 +176,20 @@ class AsyncRollouts:
 
 
 def stored(made):
-    """A Made as rollouts.pt keeps it: its two Rollouts as dicts of their fields. grpo.py runs as
-    __main__, so a pickled Rollouts would load only in a process that runs grpo.py as __main__."""
+    """A Made as rollouts.pt keeps it: its two Rollouts as dicts of their fields. A pickled class
+    loads only from the module it was pickled in, and a checkpoint outlives a move of the code."""
     def fields(rollouts):
         return {f.name: getattr(rollouts, f.name) for f in dataclasses.fields(rollouts)}
 
     return dataclasses.replace(made, batch=fields(made.batch), drawn=fields(made.drawn))
 
 
-def load_pending(folder, rollouts_class):
-    """The batches a checkpoint holds for the steps after it (rollouts.pt), or none; rollouts_class:
-    grpo.Rollouts, to rebuild them with."""
+def load_pending(folder):
+    """The batches a checkpoint holds for the steps after it (rollouts.pt), or none."""
     path = os.path.join(folder, "rollouts.pt") if folder else ""
     if not os.path.exists(path):
         return []
-    return [dataclasses.replace(made, batch=rollouts_class(**made.batch),
-                                drawn=rollouts_class(**made.drawn))
+    return [dataclasses.replace(made, batch=Rollouts(**made.batch), drawn=Rollouts(**made.drawn))
             for made in torch.load(path, weights_only=False)]
 
 

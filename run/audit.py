@@ -23,9 +23,10 @@ import sys
 import tempfile
 import time
 
-from config import Config, ConfigError, config_from_argv, load_saved
+from config import Config, ConfigError, config_from_argv
 from episodes.task import binds, load_problems, load_task, reward_shaping
 from episodes.turns import first_turn
+from infra.checkpoint import load_saved
 from rewards import extract_answer, score_batch
 from scoring import sandbox
 from scoring.runner import NOT_COLUMNS, is_chat, task_rewards

@@ -1,12 +1,13 @@
 """Setting up a run, before its first step: the config checked, the data, the models, the engine.
 
-grpo.main calls these in order; everything that can fail does so here, before a model loads where
-it can (O6: pre-flight).
+grpo.main calls start_run (prepare_run, then the models and the data as a Run) and make_engine;
+everything that can fail does so here, before a model loads where it can (O6: pre-flight).
 """
 
 import functools
 import glob
 import os
+import random
 import shutil
 import sys
 from dataclasses import dataclass
@@ -14,16 +15,16 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from config import ConfigError, config_from_argv, save_config
+from config import ConfigError, config_from_argv
 from data.sampler import CurriculumSampler, PromptSampler
 from episodes.task import load_problems, load_task, tokenize_prompts
 from episodes.tools import TextTools
 from episodes.turns import EpisodeEngine
 from infra import parallel
-from infra.checkpoint import claim_out_dir
+from infra.checkpoint import TrainState, claim_out_dir, load_checkpoint, save_config
 from infra.log import output_to
 from infra.model_files import BUILT_HERE, auto_engine, check_model_source
-from infra.preflight import preflight
+from infra.preflight import check_run, preflight
 from model import load_policy, load_reference, model_path
 from perf import cpu
 from perf.logprobs import fused_head_unsupported
@@ -44,10 +45,62 @@ class Split:
 
 
 
+@dataclass
+class Run:
+    """What main() set up and each step reads: the settings, the models and optimizer, the data,
+    the state a checkpoint saves, and where rollouts come from (an engine, or R8's sampler)."""
+
+    cfg: object  # config.Config
+    device: str
+    path: str  # the model folder
+    resume_from: str  # the checkpoint resumed from, or None
+    tokenizer: object
+    policy: object
+    train_model: object  # the policy, under DDP wrapped (the gradient passes go through it)
+    ref: object  # the reference (beta > 0), else None
+    params: list  # the trained parameters
+    optimizer: object
+    prompt_sampler: object  # the prompts of each step (D2, D3)
+    train: Split
+    eval_sets: list  # Split per eval set: the test split first, then eval_tasks' (M2)
+    state: TrainState  # the step, beta, the sampler's state: what a checkpoint saves
+    engine: object = None  # rollout.py's engine (without async_rollouts)
+    engine_name: str = ""
+    rollouts: object = None  # run.async_rollouts.AsyncRollouts (R8), else None
+    final_eval: object = None  # () -> the eval metrics after the last update (M2)
+    logger: object = None  # infra.log.Logger on rank 0
+    save: object = None  # () -> writes a checkpoint of the run as it stands
+    checkpoint_seconds: float = 0.0  # the last checkpoint's time, logged with the next step
+    next_parity_warning: int = 0  # the step from which the sampler-trainer gap warns again (R2)
+
+
+def start_run(argv):
+    """prepare_run, then the models, the prompt sampler, the tokenized splits and, on a resume,
+    the checkpoint's state: a Run without its engine yet."""
+    cfg, device, path, resume_from, task, (train_problems, test_problems), eval_tasks = prepare_run(
+        argv)
+    # train_model: the policy, wrapped by DDP under torchrun with parallel=ddp (else the same
+    # object: FSDP2 shards it in place); the gradient passes go through it, the no-grad ones not
+    tokenizer, policy, train_model, ref, params, optimizer = build_models(cfg, path, device,
+                                                                          resume_from)
+    prompt_sampler = make_sampler(cfg, len(train_problems))  # the prompts of each step (D2, D3)
+    train = Split(task, train_problems,
+                  tokenize_prompts(tokenizer, task, train_problems, cfg.max_prompt_len))
+    test = Split(task, test_problems,
+                 tokenize_prompts(tokenizer, task, test_problems, cfg.max_prompt_len))
+    eval_sets = [test, *(eval_split(tokenizer, *found, cfg) for found in eval_tasks)]  # M2
+    state = TrainState(beta=cfg.beta, run_id=f"{random.Random().getrandbits(64):016x}")
+    if resume_from:
+        state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, prompt_sampler)
+    return Run(cfg, device, path, resume_from, tokenizer, policy, train_model, ref, params,
+               optimizer, prompt_sampler, train, eval_sets, state)
+
+
 def prepare_run(argv):
     """Config, pre-flight, the model folder, the data: what can fail fails before a model loads
     (O6)."""
     cfg = config_from_argv(argv)
+    check_run(cfg)  # what this machine lacks for it (a GPU, a package); settings that mislead
     transformers.utils.logging.disable_progress_bar()  # loading 135M weights needs no progress bar
     device = cfg.device
     if device == "auto":

@@ -17,7 +17,6 @@ import time
 import pytest
 import torch
 
-import grpo
 from dev.compare_runs import compare
 from loss import grpo_loss, sampler_is_weights
 from run.async_rollouts import load_pending
@@ -92,7 +91,7 @@ def test_a_kill_9_mid_run_then_resume_is_the_straight_run(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "ckpt_000005").exists()
-    pending = load_pending(out / "ckpt_000002", grpo.Rollouts)  # loads outside grpo.py's process
+    pending = load_pending(out / "ckpt_000002")  # loads outside grpo.py's process
     assert [(m.step, m.version) for m in pending] == [(2, 1)]
     said = run(out, *common, "--resume=true").stdout
     assert "resumed from" in said and "at step 2" in said

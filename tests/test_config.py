@@ -12,9 +12,11 @@ import re
 import pytest
 
 import config
-from config import Config, ConfigError, load_config, load_saved, save_config
+from config import Config, ConfigError, load_config
 from episodes.task import load_task
-from infra.preflight import preflight
+from infra import checkpoint
+from infra.checkpoint import load_saved, save_config
+from infra.preflight import check_run, preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_FILES = sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))
@@ -205,18 +207,19 @@ def test_an_older_config_is_read_in_todays_settings(tmp_path):
     cfg = load_saved(tmp_path / "config.json")
     assert cfg.kl_band == (0.02, 0.1) and cfg.is_cap == 4.0
     assert cfg.tool_tags == ("```python\n", "\n```\n") and cfg.is_correction == "sequence_mask"
-    assert config.upgrade({"is_correction": "token"})["is_correction"] == "token_truncate"
-    assert config.upgrade({"is_correction": "off", "is_mode": "mask"})["is_correction"] == "off"
+    assert checkpoint.upgrade({"is_correction": "token"})["is_correction"] == "token_truncate"
+    assert checkpoint.upgrade({"is_correction": "off", "is_mode": "mask"})["is_correction"] == "off"
     # the format weight moved; correct's, at its old default, stays out (the default is the same)
     assert cfg.component_weights == {"numbers_valid": 0.5, "format": 0.3}
-    assert config.upgrade({"kl_up": 1.2}) == {"kl_up": 1.2}
+    assert checkpoint.upgrade({"kl_up": 1.2}) == {"kl_up": 1.2}
     # reward_weights could not weigh correct, format or parsed then: those entries had no effect
-    older = config.upgrade({"format_weight": 0.1, "reward_weights": "format:0.5,parsed:1,brief:2"})
+    older = checkpoint.upgrade({"format_weight": 0.1,
+                                "reward_weights": "format:0.5,parsed:1,brief:2"})
     assert older["reward_weights"] == "brief:2"
     # an episode's deadline is tool_timeout's now; a tools=True run's env_timeout did nothing
-    assert config.upgrade({"tool_timeout": 5.0, "env_timeout": 9.0})["tool_timeout"] == 9.0
-    assert config.upgrade({"tool_timeout": 2.0, "env_timeout": 5.0})["tool_timeout"] == 5.0
-    assert config.upgrade({"tools": True, "tool_timeout": 7.0, "env_timeout": 9.0})[
+    assert checkpoint.upgrade({"tool_timeout": 5.0, "env_timeout": 9.0})["tool_timeout"] == 9.0
+    assert checkpoint.upgrade({"tool_timeout": 2.0, "env_timeout": 5.0})["tool_timeout"] == 5.0
+    assert checkpoint.upgrade({"tools": True, "tool_timeout": 7.0, "env_timeout": 9.0})[
         "tool_timeout"] == 7.0
 
 
@@ -335,14 +338,14 @@ def test_every_run_file_loads_and_passes_preflight(path):
     # planned against an 80 GB GPU, whatever this machine has
     cfg = load_config(path)
     preflight(cfg, device_gb=80)
-    config.save_config(cfg, os.devnull)
+    save_config(cfg, os.devnull)
 
 
 def test_save_config_round_trip(tmp_path):
     import json
 
     cfg = load_config(os.path.join(ROOT, "config", "tiny.py"))
-    config.save_config(cfg, tmp_path / "config.json")
+    save_config(cfg, tmp_path / "config.json")
     saved = json.loads((tmp_path / "config.json").read_text())
     assert (saved["model"] == "tiny" and saved["prompts_per_step"] == 4
             and saved["adam_betas"] == [0.9, 0.99])
@@ -403,7 +406,7 @@ def test_ref_refresh_needs_a_reference():
 )
 def test_settings_that_mislead_warn(overrides, message):
     with pytest.warns(UserWarning, match=message):
-        load_config(overrides=overrides)
+        check_run(load_config(overrides=overrides))
 
 
 def test_gspo_as_the_paper_runs_it_does_not_warn():
@@ -411,9 +414,10 @@ def test_gspo_as_the_paper_runs_it_does_not_warn():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_config(overrides=["--ratio_level=sequence", "--loss_agg=seq-mean", "--clip_eps=3e-4",
-                               "--clip_eps_high=4e-4", "--num_iterations=2"])
-        load_config()  # nor do the defaults
+        check_run(load_config(overrides=["--ratio_level=sequence", "--loss_agg=seq-mean",
+                                         "--clip_eps=3e-4", "--clip_eps_high=4e-4",
+                                         "--num_iterations=2"]))
+        check_run(load_config())  # nor do the defaults
 
 
 def test_is_correction_settings():
@@ -471,8 +475,8 @@ def test_a_deleted_setting_says_what_to_write_instead(tmp_path, name):
     ],
 )
 def test_settings_that_would_fail_late_fail_in_validation(override, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(overrides=[override])
+    with pytest.raises(ConfigError, match=message):  # out_dir: pre-flight's check_run
+        check_run(load_config(overrides=[override]))
 
 
 def test_a_non_finite_item_of_a_tuple_setting_fails(tmp_path):
@@ -486,11 +490,12 @@ def test_a_non_finite_item_of_a_tuple_setting_fails(tmp_path):
 def test_an_out_dir_that_is_a_file_or_cannot_be_made_fails(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match=r"out_dir='.*file' is a file, not a folder"):
-        load_config(overrides=[f"--out_dir={tmp_path}/file"])
+        check_run(load_config(overrides=[f"--out_dir={tmp_path}/file"]))
     with pytest.raises(ConfigError, match=r"out_dir='.*file/run' cannot be created: .*file is a"):
-        load_config(overrides=[f"--out_dir={tmp_path}/file/run"])
-    assert load_config(overrides=[f"--out_dir={tmp_path}/new/run"]).out_dir.endswith("new/run")
-    assert not os.path.exists(tmp_path / "new")  # validation creates nothing
+        check_run(load_config(overrides=[f"--out_dir={tmp_path}/file/run"]))
+    made = check_run(load_config(overrides=[f"--out_dir={tmp_path}/new/run"]))
+    assert made.out_dir.endswith("new/run")
+    assert not os.path.exists(tmp_path / "new")  # the checks create nothing
 
 
 def test_a_gpu_or_a_logger_this_machine_lacks_fails(monkeypatch):
@@ -500,15 +505,16 @@ def test_a_gpu_or_a_logger_this_machine_lacks_fails(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="device='cuda', but torch sees no CUDA GPU here"):
-        load_config(overrides=["--device=cuda"])
+        check_run(load_config(overrides=["--device=cuda"]))
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: find_spec gives None
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(ConfigError, match="report_to='wandb' needs the wandb package"):
-        load_config(overrides=["--report_to=wandb"])
-    assert load_config(overrides=["--report_to=all"]).report_to == "all"  # those installed: none
+        check_run(load_config(overrides=["--report_to=wandb"]))
+    # "all": those installed, none here
+    assert check_run(load_config(overrides=["--report_to=all"])).report_to == "all"
     with pytest.raises(ConfigError, match="report_to='tensorboard' needs the tensorboard package"):
-        load_config(overrides=["--report_to=tensorboard"])
-    assert load_config(overrides=["--report_to=none"]).report_to == "none"
+        check_run(load_config(overrides=["--report_to=tensorboard"]))
+    assert check_run(load_config(overrides=["--report_to=none"])).report_to == "none"
 
 
 def test_report_to_reads_as_trl_reads_it(monkeypatch):

@@ -23,7 +23,7 @@ import grpo
 import rollout
 from config import ConfigError
 from episodes.task import Task
-from infra import log
+from infra import checkpoint, log
 from infra.model_files import vllm_available
 from run import prepare
 from run.audit import replay
@@ -192,7 +192,8 @@ def fake_checkpoint(out_dir, step, *overrides):
     folder = out_dir / f"ckpt_{step:06d}"
     folder.mkdir(parents=True)
     (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
-    config.save_config(config.config_from_argv([*TINY, *overrides]), folder / "grpo_config.json")
+    saved = config.config_from_argv([*TINY, *overrides])
+    checkpoint.save_config(saved, folder / "grpo_config.json")
     for name in ("optimizer.pt", "rng.pt"):
         torch.save({}, folder / name)
     save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))

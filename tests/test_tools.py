@@ -13,6 +13,7 @@ from config import load_config
 from episodes.tools import TOOL_OUTPUT, TextTools
 from episodes.turns import EpisodeEngine, turn_seed
 from grpo import forward_logprobs, pad_batch
+from infra.preflight import check_run
 from loss import grpo_loss
 from model import build_tiny, load_policy
 from rewards import code_reward
@@ -346,7 +347,7 @@ def test_tool_tags_from_the_command_line():
         "```python\n", "\n```\n")
     # what an unquoted command line gives: a backslash and an n, which the model never writes
     with pytest.warns(UserWarning, match="hold a backslash and an n, not a newline"):
-        load_config(overrides=["--tools=true", r"--tool_tags=```python\n,\n```\n"])
+        check_run(load_config(overrides=["--tools=true", r"--tool_tags=```python\n,\n```\n"]))
 
 
 def test_the_tool_run_file_passes_preflight():
