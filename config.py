@@ -102,7 +102,7 @@ class Config:
     max_staleness: int = 1  # R8: batch t is made with the weights after t - max_staleness updates
     old_logprobs: str = "recompute"  # R8: the ratio's pi_old: the trainer's, or "sampler" (its q)
 
-    # ---- tool calls (multi-turn rollouts, tools.ToolEngine) ----
+    # ---- tool calls: tools=True's Python in the text (episodes/tools.py TextTools) ----
     tools: bool = False  # a completion may run Python; its output comes back; False = one turn
     max_tool_calls: int = 2  # tool calls per completion; the turn after the last may not call
     # a tools=True call past it is killed (an error the model reads); an environment's reset or
@@ -114,9 +114,9 @@ class Config:
     # ("```python\n", "\n```\n")
     tool_tags: tuple = ("<python>", "</python>")  # a tool call's open and close tags
     tool_error_penalty: float = 0.0  # minus this per failed call (raised, timeout, killed); 0 = off
-    sandbox: str = "full"  # the weakest sandbox accepted (sandbox.py); else the run does not start
+    sandbox: str = "full"  # the weakest sandbox accepted (scoring/sandbox.py), else no run
 
-    # ---- episodes: a task file's environment(problem) or TOOLS (environment.py; tool_timeout) ----
+    # ---- episodes: a task file's environment(problem) or TOOLS (episodes/; tool_timeout) ----
     max_turns: int = 4  # model turns per episode; the environment answers each but the last
     env_reward: str = "sum"  # an episode's reward: its turns' rewards summed, or the "last" one's
 
@@ -167,7 +167,7 @@ class Config:
     lora_rank: int = 0  # O5: LoRA rank through peft; 0 = full fine-tuning
     lora_alpha: int = 32  # O5: LoRA scale numerator (the update is scaled by lora_alpha / rank)
 
-    # ---- several GPUs: torchrun --nproc_per_node=N grpo.py (parallel.py) ----
+    # ---- several GPUs: torchrun --nproc_per_node=N grpo.py (infra/parallel.py) ----
     parallel: str = "fsdp"  # "fsdp": FSDP2, weights, grads, AdamW state sharded | "ddp": copies
     vllm_tensor_parallel: int = 1  # R1: ranks sharing a vLLM engine (big models); 1 = one per rank
 
@@ -202,10 +202,10 @@ DELETED = {
     "kl_down": (0.8, "adaptive KL multiplies beta by 0.8 (loss.adaptive_kl_beta's `down`)"),
     "parity_warn": (0.0, "the sampler-trainer gap warns above a bound by compute dtype, "
                          "config.PARITY_WARN (1e-3 in fp32, 0.1 in bf16)"),
-    "length_penalty_tokens": (32, "length shaping takes 0.05 per 32 tokens (shaping.shape_reward's "
+    "length_penalty_tokens": (32, "length shaping takes 0.05 per 32 tokens (rewards.shape_reward's "
                                   "length_penalty_tokens)"),
     "length_penalty": (0.05, "length shaping takes 0.05 per 32 tokens past length_soft_limit "
-                             "(shaping.shape_reward's length_penalty)"),
+                             "(rewards.shape_reward's length_penalty)"),
     "env_timeout": (5.0, "tool_timeout is an environment's (or TOOLS') call's deadline too: a run "
                          "has tools=True's calls or a task's turns, never both"),
     "adv_std_floor": (1e-4, "the std is floored at 1e-4 (advantage.STD_FLOOR), as TRL adds 1e-4 "
@@ -221,8 +221,8 @@ DELETED = {
                           "environment variable (as under TRL), else 'grpo'; set it to the old "
                           "wandb_project to go on with a resumed run's wandb run"),
     "tensorboard": (False, "--report_to=tensorboard writes tensorboard events to out_dir/tb"),
-    "device_memory_gb": (0.0, "a run plans against its own GPU; against another, python "
-                              "preflight.py --config RUN_FILE --device_memory_gb=80"),
+    "device_memory_gb": (0.0, "a run plans against its own GPU; against another, python -m "
+                              "infra.preflight --config RUN_FILE --device_memory_gb=80"),
     "curriculum_bands": ((0.2, 0.8), "the curriculum's buckets are hard below a pass rate of 0.2 "
                                      "and easy above 0.8 (data/sampler.CurriculumSampler's "
                                      "hard_below, easy_above)"),
@@ -427,7 +427,7 @@ def builtin_tasks():
 
 def task_path(task):
     """The task file that `task` names: tasks/NAME.py for a built-in name, a .py path as it is,
-    else tasks/dataset.py (the task is a data file; task.task_file checks that it is one)."""
+    else tasks/dataset.py (the task is a data file; episodes.task.task_file checks it is one)."""
     if task in builtin_tasks():
         return os.path.join(TASK_DIR, task + ".py")
     return task if task.endswith(".py") else os.path.join(TASK_DIR, "dataset.py")
@@ -437,7 +437,7 @@ def declared_options(path):
     """The settings the task file at `path` declares for itself, {name: default}: its OPTIONS, a
     dict of literals. Read from the file's text, not imported: a task file is imported (and
     configured) once, in pre-flight. {} for a file without OPTIONS, or one that is not there or
-    does not parse (task.load_task reports it; _unread says why)."""
+    does not parse (episodes.task.load_task reports it; _unread says why)."""
     try:
         with open(path) as f:
             tree = ast.parse(f.read(), path)

@@ -3,7 +3,7 @@
     python grpo.py                                   # the default run, on a laptop CPU
     python grpo.py --config config/countdown_3b.py   # Qwen2.5-3B-Instruct on Countdown, one GPU
     python grpo.py --config config/tiny.py --max_steps=4 --engine=hf
-    torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py   # 8 GPUs (parallel.py)
+    torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py   # 8 GPUs (infra/)
 
 Each step, as main() runs it, one named function a phase:
     engine.wake          wake the sampling engine and push the policy's weights into it (R1, R2)
@@ -21,7 +21,7 @@ The ids in brackets (R1, L2, ...) are the rows of the README's Techniques table,
 setting in config.py.
 
 With async_rollouts (R8) a sampler process runs the first four, a batch ahead with weights an
-update older (async_rollouts.py); the trainer takes the batch and pushes its weights after each
+update older (run/async_rollouts.py); the trainer takes the batch and pushes its weights after each
 update.
 
 Where this departs from the GRPO paper (each a setting in config.py but the std's floor):
@@ -39,10 +39,11 @@ Where this departs from the GRPO paper (each a setting in config.py but the std'
     filter and refill (R7), clip-higher, overlong masking, GSPO's sequence-level ratio and length
     shaping are off by default.
 
-Read second: prepare.py (setting up a run), evals.py (the evals: pass@k, maj@n, eval sets), log.py
-(metrics), and the optional machinery, one setting each: tools.py (tools), environment.py (a task
-file's environment or TOOLS: rollouts in turns), perf/ (each prompt once, chunked and fused
-logprobs, the CPU settings).
+Read second, one folder away: run/ (prepare.py sets a run up, evals.py: pass@k, maj@n, eval sets),
+episodes/ (the task-file contract; rollouts in turns: tools=True, TOOLS, environments), infra/
+(log.py's metrics, checkpoints, torchrun), scoring/ (where a reward runs: a deadline, the sandbox)
+and perf/ (each prompt once, chunked and fused logprobs, the CPU settings), each fast path one
+setting.
 """
 
 import functools

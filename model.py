@@ -15,7 +15,7 @@ from perf import cpu, logprobs
 
 def model_path(cfg):
     """The folder (or hub name) the weights come from: "tiny" is built into out_dir, "smollm2-135m"
-    converted once (model_files.py)."""
+    converted once (infra/model_files.py)."""
     if cfg.model == "tiny":
         return build_tiny(os.path.join(cfg.out_dir, "tiny_model"), seed=cfg.seed)
     if cfg.model == "smollm2-135m":

@@ -4,7 +4,7 @@ A policy finds every hole in a reward, so every verifier here assumes adversaria
 are found with str.rfind (no regex that can backtrack for minutes on 100 KB of tags), Countdown
 expressions are parsed with `ast` and evaluated by our own 15-line tree walk (never `eval`),
 math answers are judged by math-verify (LaTeX to sympy, no `eval`) under a deadline and this
-project's guards, in-process, and code runs in the sandbox (sandbox.py), which never sees a
+project's guards, in-process, and code runs in the sandbox (scoring/sandbox.py), which never sees a
 test's expected values.
 
 Per completion, each verifier returns a dict of components, all floats:
@@ -196,9 +196,9 @@ def before_unclosed_think(text):
 
 
 def after_tool_outputs(text, tags=("<output>", "</output>")):
-    """The model's own text after the last tool output (tools.TOOL_OUTPUT's tags): the only place
-    a tool task's answer is judged, so what a tool printed never counts as the model's answer. Text
-    without an output is returned whole; an output never closed leaves nothing (all after its
+    """The model's own text after the last tool output (episodes.tools.TOOL_OUTPUT's tags): the only
+    place a tool task's answer is judged, so what a tool printed never counts as the model's answer.
+    Text without an output is returned whole; an output never closed leaves nothing (all after its
     opening tag is the tool's). A <think> open where the last output ends stays open ("<think>" put
     in front), so an answer inside it is still thinking (W4).
     """
@@ -513,11 +513,11 @@ def score_batch(results, lengths, weights=None, **shaping):
     """Shape N scored completions. Returns (rewards (N,) float32, {component: (N,) float32}).
 
     results: per completion its components dict, or a string saying why the reward failed ("error",
-    "timeout", ...; scoring.run_rewards). A failed completion scores exactly 0 (no shaping, no
-    penalty) and is counted in components["errors"] (timeouts also in components["timeouts"]). A
-    completion every TRL reward function left out ("unscored") has reward NaN: group_advantages
-    leaves it out of its group's baseline and gives it advantage 0, the logged means leave it out,
-    as TRL does.
+    "timeout", ...; scoring/runner.py run_rewards). A failed completion scores exactly 0 (no
+    shaping, no penalty) and is counted in components["errors"] (timeouts also in
+    components["timeouts"]). A completion every TRL reward function left out ("unscored") has reward
+    NaN: group_advantages leaves it out of its group's baseline and gives it advantage 0, the logged
+    means leave it out, as TRL does.
     A component some completions lack is 0 for them. lengths: N completion lengths in tokens;
     weights, shaping: shape_reward's.
     """

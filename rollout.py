@@ -31,13 +31,14 @@ class Completion:
     logprobs: list  # sampler's log p of each sampled token under logits / temperature
     truncated: bool  # hit max_tokens before EOS (R6)
     stop_string: str = None  # the stop string it ended on (generate's stop), else None
-    # tool rollouts (ToolEngine): 1 for each token the model sampled, 0 for each of a tool's output
+    # rollouts in turns (episodes/): 1 for each token the model sampled, 0 for each of a tool's
+    # output
     # (logprob 0.0 there, which the mask leaves out); None: every token is the model's
     mask: list = None
     tool_calls: int = 0  # tool calls run
     tool_errors: int = 0  # of those, the ones that raised, timed out or were killed
     tool_seconds: float = 0.0  # wall time of its tool calls
-    # an environment's episode (environment.py): its rewards {name: value}, or why it failed
+    # an environment's episode (episodes/turns.py): its rewards {name: value}, or why it failed
     # ("error", "timeout", "wrong type"); None without an environment
     env_rewards: object = None
 
@@ -127,7 +128,8 @@ def row_seeds(key, first, count, n):
     Row j of slot i gets derive_seed(*key, i, j): a hash of the run's seed, the stream (a training
     step, or eval), the prompt's place in the step's global batch and the row's place in its group.
     Never the rank or the run's history: a resumed run, or N ranks, sample what one straight run
-    does, and no two rows of a run, nor two turns of a tool rollout (tools.turn_seed), share a seed.
+    does, and no two rows of a run, nor two turns of an episode
+    (episodes.turns.turn_seed), share a seed.
     """
     return [derive_seed(*key, slot, j) for slot in range(first, first + count) for j in range(n)]
 
@@ -192,7 +194,7 @@ class VLLMEngine:
                  progress=False, task=None, problems=None):
         """n completions per prompt; seeds: one per row (prompt-major); max_tokens: one budget, or
         one per prompt; stop: strings that end a completion (kept in it), plus the stop tokens.
-        task, problems: what the prompts were made from (environment.EpisodeEngine needs them)."""
+        task, problems: what the prompts were made from (episodes.turns.EpisodeEngine's)."""
         from vllm import SamplingParams
         check_seeds(prompts, n, seeds)
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)

@@ -2,7 +2,7 @@
 # writes to (tasks/calculator.py).
 #   python grpo.py --config config/calculator.py
 # CPU, about 6 minutes. A turn "calc: 37 * 58" gets "= 2146" back as the next user message
-# (context: not trained on); a turn "answer: 2146" ends the episode (environment.EpisodeEngine).
+# (context: not trained on); a turn "answer: 2146" ends the episode (episodes.turns.EpisodeEngine).
 task = "calculator"
 out_dir = "out/calculator"
 max_steps = 20

@@ -1,6 +1,6 @@
 # Qwen2.5-3B-Instruct on the Countdown game (D1) with GRPO and LoRA, on one 24 GB GPU
-# (RTX 3090/4090, A10, L4). Not yet run: pre-flight's estimate is what sized it (python
-# preflight.py --config config/countdown_3b_24gb.py --device_memory_gb=24), so treat it as a
+# (RTX 3090/4090, A10, L4). Not yet run: pre-flight's estimate is what sized it (python -m
+# infra.preflight --config config/countdown_3b_24gb.py --device_memory_gb=24), so treat it as a
 # starting point.
 #   python grpo.py --config config/countdown_3b_24gb.py
 # Pre-flight for 24 GiB: update peak ~20.1 GiB; vLLM's share 8.4 + the trainer's resident 12.2.

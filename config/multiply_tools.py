@@ -3,7 +3,7 @@
 #   python grpo.py --config config/multiply_tools.py
 # CPU, about 25 minutes. The model writes a ```python block, generation stops at its closing fence,
 # the sandbox runs it, the output comes back as tokens the model does not train on
-# (rollout.ToolEngine).
+# (episodes/tools.py TextTools).
 # tasks/multiply.py: the reward judges the number the model writes after the tool's output
 task = "multiply"
 out_dir = "out/multiply_tools"

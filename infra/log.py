@@ -97,7 +97,7 @@ def memory_gb():
 
 def dump_samples(cfg, step, batch, advantages, problems, tokenizer):
     """W6 (every sample_every steps): a few of rank 0's whole groups to samples.jsonl
-    (task.py --replay re-scores)."""
+    (python -m episodes.task --replay re-scores)."""
     if parallel.rank() > 0:
         return
     with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:

@@ -38,7 +38,7 @@ from scoring.execute import run_python
 class Split:
     """A task's problems of one split and their prompts as token ids."""
 
-    task: object  # task.Task
+    task: object  # episodes.task.Task
     problems: list  # problem dicts
     prompt_ids: list  # one list of token ids per problem
     name: str = ""  # an eval_tasks set's name (eval/<name>/...); "" for the training task's

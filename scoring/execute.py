@@ -495,7 +495,7 @@ REFUSED_NAMES = ("sympify", "S", "parse_expr", "lambdify", "preview", "plot", "p
                  "plot_parametric", "plot3d", "plot3d_parametric_line", "plot3d_parametric_surface",
                  "init_printing", "init_session", "var", "test", "doctest", "source",
                  "interactive_traversal", "python", "pycode", "print_python", "evaluate")
-KEPT = set()  # pids of Scorer processes: they outlive a reward call (scoring._end_leftovers spares)
+KEPT = set()  # pids of Scorer processes: they outlive a reward call (runner._end_leftovers spares)
 
 
 class Scorer:

@@ -1,8 +1,8 @@
 """The reward runner: a task's reward (or TRL reward functions) over a batch of completions, each
 call under a deadline, in forked children; what a call returns, as named floats.
 
-    task_rewards(task, texts, problems, timeout)  # task.score's entry (and audit's): a row's
-                                                  # {name: float}, or why its call failed
+    task_rewards(task, texts, problems, timeout)  # episodes.task.score's (and the audit's): a
+                                                  # row's {name: float}, or why its call failed
     within(seconds, fn, *args)  # a deadline in this process: the math verifier's, an environment's
 
 The reward runs in a forked child process with a deadline (reward_timeout): a reward that raises or

@@ -5,7 +5,7 @@
 Each problem asks for one function ("kth_largest(xs) returns the 2nd largest element ..."); its
 tests are calls with inputs drawn from the problem's own seed and the expected values of its
 reference solution (kept as "solution"), checked exactly by rewards.code_reward: the calls run in
-the sandbox (sandbox.py), the expected values stay outside it. correct = the share of tests passed.
+the sandbox (scoring/), the expected values stay outside it. correct = the share of tests passed.
 A dataset works the same (data_path, one row per problem):
 
     {"prompt": "Write add(a, b) that returns a + b.", "tests": ["assert add(1, 2) == 3"]}

@@ -4,8 +4,8 @@
 
 The tool task (config/multiply_tools.py, tools=True): the prompt says how to call the tool, the
 model writes a ```python block, the sandbox's output comes back between <output> tags
-(rollout.ToolEngine), and the reward judges the number the model itself writes after the last
-output: copying the tool's answer is fine, leaving it in the tool's output is not.
+(episodes/tools.py TextTools), and the reward judges the number the model itself writes after
+the last output: copying the tool's answer is fine, leaving it in the tool's output is not.
 """
 
 import random

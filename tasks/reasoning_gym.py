@@ -33,7 +33,8 @@ PROMPT = (
 )
 # Several scorers eval() the answer (string_insertion, spiral_matrix, binary_matrix, n_queens) or
 # hand it to sympy's parse_expr, which evaluates Python (countdown, puzzle24, polynomial and
-# integration tasks): the reward runs in the sandbox, under its text guard (task.py, execute.Scorer)
+# integration tasks): the reward runs in the sandbox, under its text guard (scoring/execute.py
+# Scorer)
 EXECUTES_TEXT = True
 DRAWS = 20  # entries drawn per problem asked for, at most: the test split keeps 1 question in 10
 # a longer answer is no answer: the longest of the datasets' own is ~4,000 characters

@@ -1,4 +1,4 @@
-"""R8: the sampler process one batch ahead (async_rollouts.py), and the off-policy loss it needs.
+"""R8: the sampler process one batch ahead (run/async_rollouts.py), and the off-policy loss.
 
     pytest tests/test_async_rollouts.py
 

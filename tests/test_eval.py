@@ -339,7 +339,7 @@ def test_eval_only_with_eval_tasks_on_the_tiny_model(tmp_path, capsys):
 def test_a_run_with_eval_tasks_logs_each_set_and_plots(tmp_path):
     """2 steps with eval_every=1: the base model's eval at step 0 (greedy only, as in-run evals
     are by default) and the last at the end (full), each set's metrics under its name in
-    metrics.jsonl; plot.py draws the run."""
+    metrics.jsonl; run/plot.py draws the run."""
     (tmp_path / "digit.py").write_text(DIGIT)
     rows = write_rows(tmp_path / "sums.jsonl", 2)
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""Tasks as one file each (task.py, tasks/, data/files.py): loading, datasets, prompts,
+"""Tasks as one file each (episodes/task.py, tasks/, data/files.py): loading, datasets, prompts,
 the guarded reward.
 
     pytest tests/test_task.py
@@ -82,7 +82,7 @@ def test_builtin_tasks_are_task_files(tokenizer):
         "multiply": lambda p: f"```python\nprint(1)\n```\n\n<output>\n{p['answer']}\n</output>\nIt "
                               f"is {p['answer']}.",
     }
-    # environments (environment.py): a known last turn of the model's
+    # environments (episodes/turns.py): a known last turn of the model's
     episodes = {"guess": lambda p: str(p["secret"]),
                 "calculator": lambda p: f"answer: {p['a'] * p['b']}"}
     assert set(known) | set(episodes) | {"dataset", "gsm8k", "larger",

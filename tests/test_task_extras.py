@@ -1,4 +1,4 @@
-"""TRL-style reward functions in a task file, reasoning-gym tasks, and the reward audit (audit.py).
+"""TRL-style reward functions in a task file, reasoning-gym tasks, the reward audit (run/audit.py).
 
     pytest tests/test_task_extras.py
 """
