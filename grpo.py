@@ -5,7 +5,7 @@
     python grpo.py --config config/tiny.py --max_steps=4 --engine=hf
     torchrun --nproc_per_node=8 grpo.py --config config/countdown_3b.py   # 8 GPUs (infra/)
 
-Each step, as main() runs it, one named function a phase:
+Each step, as train_step() runs it, one named function a phase:
     engine.wake          wake the sampling engine and push the policy's weights into it (R1, R2)
     evaluate_in_run      every eval_every steps: the evals, before the update (M2)
     collect_rollouts     sample prompts, generate G completions each, score them (R3, R7, W1)

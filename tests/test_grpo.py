@@ -1134,8 +1134,9 @@ def test_the_zero_gradient_shortcut_keeps_the_whole_run(tmp_path):
 
 
 def test_the_phase_list_is_the_loops_order_and_the_readmes():
-    """grpo.py's docstring lists the phases of a step; main's loop calls them in that order, and the
-    README shows the same list (one text, not two that drift)."""
+    """grpo.py's docstring lists the phases of a step; train_step calls them in that order (the
+    sampling ones through rollout_phase), and the README shows the same list (one text, not two
+    that drift)."""
     import inspect
 
     listed = grpo.__doc__.split("one named function a phase:\n", 1)[1].split("\n\n", 1)[0]
@@ -1143,7 +1144,8 @@ def test_the_phase_list_is_the_loops_order_and_the_readmes():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read().split("```text\n", 1)[1].split("```", 1)[0].splitlines()
     assert readme == listed
-    loop = inspect.getsource(grpo.main).split("for step in range", 1)[1]
+    step = inspect.getsource(grpo.train_step).split("rollout_phase(run", 1)[1]
+    loop = inspect.getsource(grpo.rollout_phase).split("return run.rollouts.next", 1)[1] + step
     def last_call(name):  # end_step: its last call; a whole name (not _update_policy's tail)
         calls = [m.start() for m in re.finditer(rf"(?<!\w){re.escape(name)}\(", loop)]
         return calls[-1] if calls else -1
