@@ -19,7 +19,7 @@ import grpo
 from config import ConfigError, load_config
 from episodes.task import load_task
 from rollout import Completion
-from run import evals
+from run import evals, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config", os.path.join(ROOT, "config", "tiny.py")]
@@ -137,7 +137,7 @@ def toy_split(tmp_path, source=TOY, name="toy"):
     cfg = load_config(overrides=[f"--task={path}", "--eval_n=4", "--reward_timeout=0",
                                  f"--out_dir={tmp_path}"])
     task = load_task(cfg)
-    return cfg, grpo.Split(task, task.problems("test", 3, 0), [[0], [1], [2]], name)
+    return cfg, prepare.Split(task, task.problems("test", 3, 0), [[0], [1], [2]], name)
 
 
 def test_evaluate_reports_avg_pass_and_maj_worked_by_hand(tmp_path):
@@ -157,7 +157,7 @@ def test_evaluate_reports_avg_pass_and_maj_worked_by_hand(tmp_path):
     calls = [(c["n"], c["temperature"], c["stop"]) for c in engine.calls]
     assert calls == [(1, 0.0, ["."]), (4, cfg.temperature, ["."])]
     plain = Scripted(GREEDY, SAMPLED)  # as the training task's own test split: eval/...
-    unnamed = grpo.Split(toy.task, toy.problems, toy.prompt_ids)
+    unnamed = prepare.Split(toy.task, toy.problems, toy.prompt_ids)
     unnamed = evals.evaluate(plain, unnamed, cfg, seed=1)[0]
     assert unnamed == {"eval/" + k[len("eval/toy/") :]: v for k, v in metrics.items()}
     assert set(plain.calls[1]["seeds"]).isdisjoint(engine.calls[1]["seeds"])
@@ -191,7 +191,7 @@ def test_evaluate_without_answer_or_correct_logs_what_it_can(tmp_path, recwarn):
 
 def test_eval_table_has_a_row_per_set_and_a_column_per_metric(tmp_path):
     _, toy = toy_split(tmp_path)
-    main = grpo.Split(toy.task, toy.problems[:2], toy.prompt_ids[:2])
+    main = prepare.Split(toy.task, toy.problems[:2], toy.prompt_ids[:2])
     metrics = {"eval/reward": 0.5, "eval/pass@1_greedy": 0.25, "eval/response_length": 12.345,
                "eval/toy/reward": 1.0, "eval/toy/pass@1_greedy": 0.5, "eval/toy/avg@4": 0.4166667,
                "eval/toy/mean_correct_sampled": 0.4166667, "eval/toy/maj@4": 0.5,
@@ -230,7 +230,7 @@ def test_eval_tasks_load_before_any_model_and_fail_clearly(tmp_path):
     two sets of one name: a ConfigError from prepare_run, naming the set, before any model loads."""
     rows = write_rows(tmp_path / "rows.jsonl", 30)
     out = f"--out_dir={tmp_path / 'out'}"
-    sets = grpo.prepare_run([*TINY, out, f"--eval_tasks={rows}, larger", "--test_size=5"])[6]
+    sets = prepare.prepare_run([*TINY, out, f"--eval_tasks={rows}, larger", "--test_size=5"])[6]
     assert [(name, len(problems)) for name, _, problems in sets] == [("rows", 30), ("larger", 5)]
     assert sets[0][1].answer is not None and sets[0][2][0]["id"] == "rows.jsonl:1"
     bad = [(f"--eval_tasks={tmp_path / 'none.jsonl'}",
@@ -242,11 +242,11 @@ def test_eval_tasks_load_before_any_model_and_fail_clearly(tmp_path):
            (f"--eval_tasks={rows},{tmp_path / 'x' / 'rows.jsonl'}", "two sets named 'rows'")]
     for arg, message in bad:
         with pytest.raises(ConfigError, match=message):
-            grpo.prepare_run([*TINY, out, arg])
+            prepare.prepare_run([*TINY, out, arg])
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"answer": "3"}\n')
     with pytest.raises(ConfigError, match=r"eval_tasks: .*broken.jsonl: .*, line 2: needs a non"):
-        grpo.prepare_run([*TINY, out, f"--eval_tasks={broken}"])
+        prepare.prepare_run([*TINY, out, f"--eval_tasks={broken}"])
 
 
 # ---------------------------------------------------------------- on the tiny model

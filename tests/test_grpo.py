@@ -209,13 +209,13 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path, 
     write_log(tmp_path / "metrics.jsonl", [0, 1, 2])  # killed in step 3, before its first save
     write_log(tmp_path / "samples.jsonl", [0])
     with pytest.raises(ConfigError, match="run .*metrics.jsonl, samples.jsonl.* --resume=true"):
-        grpo.prepare_run([*TINY, out])
-    assert grpo.prepare_run([*TINY, out, "--resume=true"])[3] is None  # no checkpoint to load
+        prepare.prepare_run([*TINY, out])
+    assert prepare.prepare_run([*TINY, out, "--resume=true"])[3] is None  # no checkpoint to load
     said = "no complete checkpoint yet: starting from step 0, its logs cleared"
     assert said in capsys.readouterr().out
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     assert (tmp_path / "samples.jsonl").read_text() == ""
-    grpo.prepare_run([*TINY, out])  # nothing of a run is left: a fresh run may start here too
+    prepare.prepare_run([*TINY, out])  # nothing of a run is left: a fresh run may start here too
 
 
 def test_a_torn_last_log_line_is_dropped_before_any_model_loads(tmp_path, capsys):
@@ -223,13 +223,13 @@ def test_a_torn_last_log_line_is_dropped_before_any_model_loads(tmp_path, capsys
     fake_checkpoint(tmp_path, 2)
     write_log(tmp_path / "metrics.jsonl", [0, 1, 2, 3], tail='{"step": 4, "rew')  # a full disk
     write_log(tmp_path / "samples.jsonl", [0, 0, 1], tail="\xff\xfe")
-    assert grpo.prepare_run(resume)[3] == str(tmp_path / "ckpt_000002")
+    assert prepare.prepare_run(resume)[3] == str(tmp_path / "ckpt_000002")
     assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
     assert [m["step"] for m in read_jsonl(tmp_path / "samples.jsonl")] == [0, 0, 1]
     assert capsys.readouterr().out.count("its last line was cut off mid-write") == 2
     write_log(tmp_path / "metrics.jsonl", [0], tail='{"st\n' + json.dumps({"step": 1}) + "\n")
     with pytest.raises(ConfigError, match="metrics.jsonl, line 2 is not a log record; delete that"):
-        grpo.prepare_run(resume)
+        prepare.prepare_run(resume)
 
 
 def test_a_run_owns_its_out_dir(tmp_path):
@@ -237,32 +237,33 @@ def test_a_run_owns_its_out_dir(tmp_path):
     a second process on the same out_dir fails at once, until the first is killed."""
     fake_checkpoint(tmp_path / "foreign", 5)  # another run's checkpoint, and no logs
     with pytest.raises(ConfigError, match=r"already holds a run \(ckpt_000005\)"):
-        grpo.prepare_run([*TINY, f"--out_dir={tmp_path / 'foreign'}"])
+        prepare.prepare_run([*TINY, f"--out_dir={tmp_path / 'foreign'}"])
     fake_checkpoint(tmp_path / "run", 4)
     resume = [*TINY, f"--out_dir={tmp_path / 'run'}", "--resume=true"]
     changed = "task 'digits' -> 'countdown', batch_size 16 -> 32. .* --resume_changed=true"
     with pytest.raises(ConfigError, match="settings changed since .*ckpt_000004 was saved: " +
                        changed):
-        grpo.prepare_run([*resume, "--task=countdown", "--batch_size=32"])
+        prepare.prepare_run([*resume, "--task=countdown", "--batch_size=32"])
     # how long, how often to eval and save, and how a step is computed may change
-    grpo.prepare_run([*resume, "--max_steps=50", "--eval_every=5", "--save_every=1", "--engine=hf"])
-    grpo.prepare_run([*resume, "--batch_size=32", "--resume_changed=true"])
+    prepare.prepare_run([*resume, "--max_steps=50", "--eval_every=5", "--save_every=1",
+                         "--engine=hf"])
+    prepare.prepare_run([*resume, "--batch_size=32", "--resume_changed=true"])
     # a second process: the lock names it; killed, it leaves its lock file and frees the out_dir
     second = [*TINY, f"--out_dir={tmp_path / 'b'}"]
-    code = ("import grpo, sys, time; grpo.prepare_run(sys.argv[1:]); print('ready', flush=True); "
-            "time.sleep(600)")
+    code = ("import sys, time; from run import prepare; prepare.prepare_run(sys.argv[1:]); "
+            "print('ready', flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code, *second], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert "ready\n" in iter(holder.stdout.readline, "")  # read up to its "ready" line
         with pytest.raises(ConfigError, match=f"in use by process {holder.pid} on .*: one run per"):
-            grpo.prepare_run(second)
+            prepare.prepare_run(second)
     finally:
         holder.kill()
         holder.wait()
     assert (tmp_path / "b" / ".lock").exists()
-    grpo.prepare_run(second)
-    grpo.prepare_run(second)  # this process holds the lock: a second call is fine
+    prepare.prepare_run(second)
+    prepare.prepare_run(second)  # this process holds the lock: a second call is fine
 
 
 def test_lora_reference_is_the_base_and_only_adapters_train(tmp_path):
@@ -782,7 +783,9 @@ def test_no_two_rows_turns_or_steps_of_a_run_share_a_seed():
 COLLECT = r'''
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import grpo, parallel
+import grpo
+from infra import parallel
+from run import prepare
 from config import load_config
 from rollout import Completion
 from episodes.task import Task
@@ -822,7 +825,7 @@ parallel.setup("cpu")
 cfg = load_config(overrides=["--batch_size=16", "--group_size=4", "--dynamic_sampling=true",
                              "--reward_timeout=0"])
 problems = [{"id": str(i), "i": i} for i in range(20)]
-train = grpo.Split(Task("test", None, None, reward), problems, [[100 + i] for i in range(20)])
+train = prepare.Split(Task("test", None, None, reward), problems, [[100 + i] for i in range(20)])
 engine, sampler, steps = Engine(), InOrder(), []
 for step in range(2):
     batch, drawn, rounds = grpo.collect_rollouts(engine, sampler, train, cfg, step, 1.0, {})
@@ -969,7 +972,7 @@ def three_groups(cfg):
     """(batch, drawn) of one step over three prompts of 4 completions: all right, all wrong, mixed
     (1, 0, 0, 1); completion j has j + 1 tokens."""
     problems = [{"id": str(i)} for i in range(3)]
-    train = grpo.Split(Task("test", None, None, lambda c, p: {"correct": float(c == "1")}),
+    train = prepare.Split(Task("test", None, None, lambda c, p: {"correct": float(c == "1")}),
                        problems, [[0], [1], [2]])
 
     class InOrder:

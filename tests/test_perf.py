@@ -564,7 +564,7 @@ def test_freed_memory_stays_in_a_cpu_run(tmp_path, keep):
     faults; in a process that did not call it, glibc maps each such block afresh and every page is
     faulted in again (ru_minflt counts them). keep=False runs no project code: it is the control,
     showing that the count catches a process that does not keep its freed memory."""
-    prepare = f"""grpo.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}",
+    prepare = f"""prepare.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}",
                   "--device=cpu"])"""
     code = f"""
 import resource, torch, grpo
@@ -591,7 +591,7 @@ def test_a_bf16_run_on_a_cpu_caps_onednns_kernel_cache(tmp_path):
 import os, grpo
 from perf import cpu
 def run(name, dtype):
-    grpo.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}/" + name,
+    prepare.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}/" + name,
                       "--device=cpu", "--dtype=" + dtype])
     return os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 found = [run("fp32", "float32"), run("bf16", "bfloat16") == str(cpu.KERNEL_CACHE)]

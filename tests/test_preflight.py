@@ -254,7 +254,7 @@ def test_checkpointing_with_shared_prompts_needs_the_cache_switch(tmp_path, monk
     loads. Either setting off needs no switch."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    import grpo
+    from run import prepare
 
     # the layer class of transformers 5.14.1
     monkeypatch.delattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
@@ -266,7 +266,7 @@ def test_checkpointing_with_shared_prompts_needs_the_cache_switch(tmp_path, monk
     tiny = ["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}"]
     fix = r"--gradient_checkpointing=false or --shared_prompt=false"
     with pytest.raises(ConfigError, match=fix):
-        grpo.prepare_run([*tiny, "--gradient_checkpointing=true"])
+        prepare.prepare_run([*tiny, "--gradient_checkpointing=true"])
     assert not os.listdir(tmp_path)  # nothing built, nothing written
     preflight.check_cache_switch(load_config(overrides=["--gradient_checkpointing=true",
                                                         "--shared_prompt=false"]))

@@ -18,6 +18,7 @@ from data.files import DataError
 from episodes import task as task_module
 from episodes.task import load_problems, load_task, score
 from infra import preflight
+from run import prepare
 from run.audit import check_task_output, replay
 from scoring import runner
 from scoring.runner import run_rewards
@@ -395,7 +396,7 @@ def test_a_task_and_its_settings_are_checked_when_it_loads(tmp_path, overrides, 
     with pytest.raises(ConfigError, match=message):
         load_task(cfg)
     with pytest.raises(ConfigError, match=message):
-        grpo.prepare_run(["--config", TINY, f"--out_dir={tmp_path}/run", *overrides])
+        prepare.prepare_run(["--config", TINY, f"--out_dir={tmp_path}/run", *overrides])
     assert not os.path.exists(tmp_path / "run")  # nothing built, nothing written
 
 
