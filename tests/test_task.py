@@ -445,7 +445,7 @@ def test_a_task_file_that_failed_late_fails_before_a_model_loads(tmp_path, monke
     def no_model(*args):
         raise AssertionError("a model would load")
 
-    monkeypatch.setattr(grpo, "build_models", no_model)
+    monkeypatch.setattr(prepare, "build_models", no_model)
     path = write_task(tmp_path, body)
     with pytest.raises(ConfigError, match=message):
         grpo.main(["--config", TINY, f"--out_dir={tmp_path}/run", f"--task={path}"])
@@ -610,7 +610,7 @@ def test_replay_counts_and_prints_each_planted_disagreement(tmp_path, capsys):
     """Three saved rollouts re-scored through the run's task and shaping: the untouched one agrees;
     a stored component and a stored reward planted wrong are each one disagreement, printed with its
     line."""
-    from config import save_config
+    from infra.checkpoint import save_config
 
     cfg, task = setup(f"--task={ROOT}/tasks/larger.py")
     save_config(cfg, tmp_path / "config.json")
@@ -639,7 +639,7 @@ def test_replay_counts_and_prints_each_planted_disagreement(tmp_path, capsys):
     path.write_text(json.dumps(records[0]) + "\n")
     agreed = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert agreed.returncode == 0 and "1 rollouts" in agreed.stdout
-    usage = subprocess.run(cli[:2], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    usage = subprocess.run(cli[:3], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert usage.returncode == 1 and "usage: python -m episodes.task --replay" in usage.stderr
 
 
