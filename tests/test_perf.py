@@ -567,7 +567,8 @@ def test_freed_memory_stays_in_a_cpu_run(tmp_path, keep):
     prepare = f"""prepare.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}",
                   "--device=cpu"])"""
     code = f"""
-import resource, torch, grpo
+import resource, torch
+from run import prepare
 {prepare if keep else ""}
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 x = torch.ones(2**24 + 2**18)  # 65 MB, every page touched, then freed
@@ -588,8 +589,9 @@ def test_a_bf16_run_on_a_cpu_caps_onednns_kernel_cache(tmp_path):
     caps the cache before any bf16 compute, in fp32 leaves it alone, and a capacity already in the
     environment stays."""
     code = f"""
-import os, grpo
+import os
 from perf import cpu
+from run import prepare
 def run(name, dtype):
     prepare.prepare_run(["--config", "config/tiny.py", "--out_dir={tmp_path}/" + name,
                       "--device=cpu", "--dtype=" + dtype])

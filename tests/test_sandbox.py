@@ -685,8 +685,8 @@ def test_kill_9_of_the_trainer_ends_its_reward_workers(tmp_path):
     "run_tests('import time\\ntime.sleep(60)', ['assert f() == 1'], timeout=100)"])
 def test_kill_9_of_a_caller_ends_its_sandbox(call):
     script = (f"import sys\nsys.path.insert(0, {ROOT!r})\n"
-              "from scoring import sandbox\nsandbox.best()\n")
-    script += f"print('probed', flush=True)\nsandbox.{call}"
+              "from scoring import execute, sandbox\nsandbox.best()\n")
+    script += f"print('probed', flush=True)\nexecute.{call}"
     caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     inside = []
     try:

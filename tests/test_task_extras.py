@@ -516,7 +516,7 @@ def test_holes_the_audit_found_are_closed():
 
 # a task file that calls reasoning-gym's scorers in the trainer's process, as this project did
 # before EXECUTES_TEXT: what the audit must catch
-UNFIXED = """import task as _task
+UNFIXED = """from episodes import task as _task
 _rg = _task.import_file({path!r})
 configure, problems, prompt, reward, reference = (_rg.configure, _rg.problems, _rg.prompt,
                                                    _rg.reward, _rg.reference)
