@@ -109,7 +109,7 @@ class Config:
     # step, or a TOOLS turn's calls together, past it end the episode (scoring 0). A run has one
     # kind of turns or the other, never both
     tool_timeout: float = 5.0  # seconds one call may run: tools=True's, or a task's environment's
-    tool_output_chars: int = 500  # a call's output is cut to this many characters (with a marker)
+    tool_output_chars: int = 500  # every tool or environment result is cut to this many characters
     # a call is the code between the two; generation stops at the second. A ```python block:
     # ("```python\n", "\n```\n")
     tool_tags: tuple = ("<python>", "</python>")  # a tool call's open and close tags

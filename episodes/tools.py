@@ -44,7 +44,7 @@ def parse_tool_calls(text):
             if not isinstance(name, str) or not isinstance(arguments, dict):
                 raise TypeError("name must be a string and arguments an object")
             calls.append((name, arguments))
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:  # (JSON nested too deep)
             calls.append((None, f"the call {body[:200]!r} is not JSON with a name and "
                                 f"arguments: {e}"))
     return calls
@@ -100,6 +100,13 @@ class ToolCalls:
 TOOL_OUTPUT = "\n<output>\n{}\n</output>\n"  # what goes back into the model's context after a call
 
 
+def plain_ids(tokenizer, text):
+    """`text` tokenised as plain text: where it spells a control token (<|im_end|>, <|im_start|>)
+    those stay characters, never the tokens, so what a tool or an environment writes cannot forge
+    a turn of the chat."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+
+
 class TextTools:
     """tools=True's calls as an environment: the model's turn pauses at the close tag (`pause`,
     "</python>"), the code between the open tag and it runs (`run`: the sandbox), and its output
@@ -137,15 +144,15 @@ class TextTools:
         """(ids, cut): TOOL_OUTPUT around `output` if it fits in `room` tokens; else around as much
         of the output as fits, or nothing when not even the empty frame does. Never an output
         without its closing tag: a reward reading the model's last number would read the tool's."""
-        ids = tokenizer.encode(TOOL_OUTPUT.format(output), add_special_tokens=False)
+        ids = plain_ids(tokenizer, TOOL_OUTPUT.format(output))
         if len(ids) <= room:
             return ids, False
-        content = tokenizer.encode(output, add_special_tokens=False)
-        frame = len(tokenizer.encode(TOOL_OUTPUT.format(""), add_special_tokens=False))
+        content = plain_ids(tokenizer, output)
+        frame = len(plain_ids(tokenizer, TOOL_OUTPUT.format("")))
         # tokens may merge across the cut: check
         for k in range(min(len(content), room - frame), -1, -1):
             text = tokenizer.decode(content[:k])
-            ids = tokenizer.encode(TOOL_OUTPUT.format(text), add_special_tokens=False)
+            ids = plain_ids(tokenizer, TOOL_OUTPUT.format(text))
             if len(ids) <= room:
                 return ids, True
         return [], True

@@ -25,7 +25,9 @@ the task file gives it, or the tool turns do (episodes/tools.py):
 The rollout alternates model turns and environment turns, up to max_turns model turns
 (tools=True: max_tool_calls + 1) and max_completion_len tokens in all. Everything the environment
 (or a tool) writes is context: its tokens have mask 0 (no gradient, no KL, no place in the
-token-mean). In a chat they are the chat template's own, found as TRL finds them: a dummy exchange
+token-mean). It is data: cut to tool_output_chars characters before it is tokenised, and tokenised
+as plain text (a control token's spelling in it stays characters, never a forged turn). In a chat
+it is framed as the chat template frames a message, found as TRL finds it: a dummy exchange
 rendered with and without the messages, the difference taken from the end of the dummy assistant
 turn. The episode's rewards are summed over its turns (env_reward="sum") or the last one counts
 ("last"), and added to reward()'s components where the task defines reward() too. An environment
@@ -34,13 +36,15 @@ the completion scores 0 and is counted in reward/errors, as a failed reward is; 
 """
 
 import math
+import re
 import sys
 import time
 import traceback
 
-from episodes.tools import ToolCalls
+from episodes.tools import ToolCalls, plain_ids
 from infra import parallel
 from rollout import Completion, derive_seed
+from scoring.execute import capped
 from scoring.runner import OutOfTime, within
 
 
@@ -56,13 +60,14 @@ class EpisodeEngine:
     far (never re-tokenised from text), and vLLM's prefix cache keeps the turns before, so only
     what the environment wrote is prefilled anew.
 
-    text_tools: tools=True's tools.TextTools, the turns of a task without turns of its own."""
+    text_tools: tools=True's tools.TextTools, the turns of a task without turns of its own.
+    output_chars: tool_output_chars, the most characters of any one result the model reads."""
 
     def __init__(self, engine, tokenizer, max_turns=4, timeout=5.0, combine="sum",
-                 text_tools=None):
+                 text_tools=None, output_chars=500):
         self.engine, self.tokenizer = engine, tokenizer
         self.max_turns, self.timeout, self.combine = max_turns, timeout, combine
-        self.text_tools = text_tools
+        self.text_tools, self.output_chars = text_tools, output_chars
 
     def wake(self, named_tensors):
         self.engine.wake(named_tensors)
@@ -134,6 +139,7 @@ class EpisodeEngine:
         observation, done = step(row, env, action, timeout, self.combine)
         if done or row.truncated or last:
             return False
+        observation = cap(observation, self.output_chars)  # before any tokenising
         room = max_tokens - len(row.completion_ids)
         if inline:  # cut to fit, inside its frame
             ids, cut = env.output_ids(self.tokenizer, observation, room)
@@ -159,7 +165,7 @@ class EpisodeEngine:
         if not chat:
             if not isinstance(observation, str):
                 raise TypeError("a raw prompt's episode takes text observations, not messages")
-            return self.tokenizer.encode(observation, add_special_tokens=False)
+            return plain_ids(self.tokenizer, observation)
         messages = ([{"role": "user", "content": observation}] if isinstance(observation, str)
                     else observation or [])
         ids = chat_suffix(self.tokenizer, messages)
@@ -244,6 +250,14 @@ def fail(row, kind, detail):
               f"counted in reward/errors (printed once):\n{detail}", file=sys.stderr)
 
 
+def cap(observation, chars):
+    """The observation (text, messages or None), each text in it cut to `chars` characters."""
+    if observation is None or isinstance(observation, str):
+        return observation and capped(observation, chars)
+    return [{**m, "content": capped(m["content"], chars)} if isinstance(m.get("content"), str)
+            else m for m in observation]
+
+
 def alive(row):
     """The row's environment has not failed: its rewards are still a dict."""
     return isinstance(row.env_rewards, dict)
@@ -282,5 +296,31 @@ def chat_suffix(tokenizer, messages):
 
 
 def encode_chat(tokenizer, messages, **kwargs):
+    """The chat template's tokens for `messages`, each content that spells a control token
+    tokenised as plain text (plain_ids) and the template's own text between as it renders: a
+    result's <|im_end|><|im_start|>system stays text, the template's <|im_end|> is the token."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    controls = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    forged = {i for i, m in enumerate(messages) if any(c in m["content"] for c in controls)}
+    if not forged:
+        return tokenizer(text, add_special_tokens=False).input_ids
+    # render again with a mark in place of each such content, then tokenise piece by piece
+    marked = [{**m, "content": f"\x00{i}\x00"} if i in forged else m
+              for i, m in enumerate(messages)]
+    pieces = re.split("\x00([0-9]+)\x00", tokenizer.apply_chat_template(
+        marked, tokenize=False, **kwargs))  # template text, content index, template text, ...
+    for change in (str, str.strip):  # the template puts the content in as it is, or trimmed
+        contents = {i: change(messages[i]["content"]) for i in forged}
+        if "".join(contents[int(p)] if k % 2 else p for k, p in enumerate(pieces)) == text:
+            return [t for k, p in enumerate(pieces) for t in (
+                plain_ids(tokenizer, contents[int(p)]) if k % 2
+                else tokenizer(p, add_special_tokens=False).input_ids)]
+    # a template that changes contents otherwise: they go in without the control spellings
+    spelled = re.compile("|".join(map(re.escape, controls)))
+    cleaned = []
+    for m in messages:
+        content = m["content"]
+        while spelled.search(content):  # "<|im_<|im_end|>end|>" spells one again once cut
+            content = spelled.sub("", content)
+        cleaned.append({**m, "content": content})
+    return encode_chat(tokenizer, cleaned, **kwargs)

@@ -197,5 +197,5 @@ def make_engine(cfg, path, device, policy, tokenizer, task=None):
         text_tools = TextTools(run, cfg.max_tool_calls, cfg.tool_tags)
     if text_tools or (task is not None and task.episodic):  # rollouts in turns (episodes/turns.py)
         engine = EpisodeEngine(engine, tokenizer, cfg.max_turns, cfg.tool_timeout, cfg.env_reward,
-                               text_tools)
+                               text_tools, cfg.tool_output_chars)
     return engine, name

@@ -356,11 +356,21 @@ def run_python(code, timeout=5.0, memory_mb=256, max_output=1000):
     finally:
         _end(proc, cgroups)
     text = out.decode(errors="replace")
-    if len(text) > max_output or how == "output limit":
-        text = text[:max_output] + "\n[output truncated]"
-    if how == "timed out":
-        text += f"\n[timed out after {timeout:g} s]"
-    return text, how == "done" and proc.returncode == 0
+    if how == "output limit":  # killed at the byte cap: cut, whatever its length in characters
+        text = text[:max_output] + TRUNCATED
+    if how == "timed out":  # first, so that no cut of the output hides it
+        text = f"[timed out after {timeout:g} s]\n" + text
+    return capped(text, max_output), how == "done" and proc.returncode == 0
+
+
+TRUNCATED = "\n[output truncated]"
+
+
+def capped(text, chars):
+    """A result the model will read, at most `chars` characters and the TRUNCATED marker; cut
+    before anything tokenises it, so a tool's 100 MB answer costs nothing to refuse. Cutting twice
+    cuts nothing more."""
+    return text if len(text) <= chars else text[:chars] + TRUNCATED
 
 
 # ---------------------------------------------------------------- a task's scorer that runs text

@@ -78,7 +78,8 @@ class Calculator:
     def step(self, action):
         answer = ANSWER.search(action)
         if answer:
-            right = int(answer.group(1)) == self.product
+            digits = answer.group(1)  # a long answer is a wrong one; int() refuses 4,300+ digits
+            right = len(digits) <= 40 and int(digits) == self.product
             # an answer after the product was calculated: the step between the call and the copy
             return None, {"correct": float(right), "calculated": 0.1 * self.calculated}, True
         call = CALC.search(action)

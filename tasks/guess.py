@@ -54,7 +54,8 @@ class Game:
     def step(self, action):
         self.left -= 1
         numbers = re.findall(r"-?\d+", action)
-        guess = int(numbers[0]) if len(numbers) == 1 else None
+        # a guess of more than 10 digits is out of range (and int() refuses over 4,300 digits)
+        guess = int(numbers[0]) if len(numbers) == 1 and len(numbers[0]) <= 10 else None
         if guess is None or not LOW <= guess <= HIGH:
             said = f"Reply with one number from {LOW} to {HIGH}."
             return said, {"correct": 0.0, "valid": 0.0}, self.left == 0
