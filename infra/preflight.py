@@ -19,6 +19,8 @@ import warnings
 
 from config import LR_USUAL, ConfigError, config_from_argv, need, on_gpu, reporters
 from infra.memory import (
+    count_params,
+    decoder_dims,
     device_memory_gib,
     estimate_memory,
     memory_table,
@@ -159,6 +161,33 @@ def check_context(cfg, shape):
                           "lower them")
 
 
+def shared_memory_gib():
+    """GiB free in /dev/shm, where torch puts shared tensors on Linux; None where there is none."""
+    try:
+        fs = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return fs.f_bavail * fs.f_frsize / 2**30
+
+
+def check_weight_ring(cfg, shape):
+    """async_rollouts (R8) keeps max_staleness + 1 fp32 copies of the pushed weights in shared
+    memory (run/async_rollouts.py's ring): they must fit in free RAM and in /dev/shm."""
+    if not cfg.async_rollouts:
+        return
+    h, _, _, _, v = decoder_dims(shape)
+    # pushed as the engine loads them: a tied lm_head is a tensor of its own (model.py)
+    pushed = count_params(shape) + (v * h if shape.get("tie_word_embeddings", False) else 0)
+    size = (cfg.max_staleness + 1) * pushed * 4 / 2**30
+    free = [gib for gib in (available_memory_gib(), shared_memory_gib()) if gib is not None]
+    if free and size > min(free):
+        raise ConfigError(f"async_rollouts with max_staleness={cfg.max_staleness} keeps "
+                          f"{cfg.max_staleness + 1} fp32 copies of the {pushed / 1e6:.0f}M weights "
+                          f"in shared memory, {size:.1f} GiB, and this machine has "
+                          f"{min(free):.1f} GiB free (RAM and /dev/shm); lower max_staleness "
+                          "(1 keeps the sampler one step ahead)")
+
+
 # transformers drops a checkpointed layer's past_key_values unless the layer says it may keep
 # them; that switch (GradientCheckpointingLayer._can_checkpoint_with_cache) first appears in
 # 5.15.0 (5.14.1 lacks it)
@@ -177,9 +206,9 @@ def check_cache_switch(cfg):
 
 
 def preflight(cfg, device_gb=None):
-    """O6: fail if the KV cache, a prompt and its completion, one update or the vLLM share cannot
-    fit; print the memory estimate. device_gb: a GPU's GiB to plan against
-    (`python -m infra.preflight --device_memory_gb=80`); None: this machine's GPU, if it has one."""
+    """O6: fail if the KV cache, a prompt and its completion, async_rollouts' weight ring, one
+    update or the vLLM share cannot fit; print the memory estimate. device_gb: a GPU's GiB to plan
+    against (`python -m infra.preflight --device_memory_gb=80`); None: this machine's GPU."""
     check_cache_switch(cfg)
     check_kv_cache(cfg)
     shape = model_shape(cfg.model)
@@ -187,6 +216,7 @@ def preflight(cfg, device_gb=None):
         print(f"pre-flight: cannot read {cfg.model}'s config.json offline; memory estimate skipped")
         return None
     check_context(cfg, shape)
+    check_weight_ring(cfg, shape)
     est = estimate_memory(cfg, shape)
     total = device_memory_gib(device_gb)
     resident, update = resident_memory(est), update_peak(est)

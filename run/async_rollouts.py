@@ -115,13 +115,14 @@ class AsyncRollouts:
 
     def receive(self):
         """The sampler's next message; its error, or its death, raised here with the cause."""
-        while not self.conn.poll(0.5):
-            if not self.process.is_alive():
-                raise RuntimeError(f"the sampler process died (exit code {self.process.exitcode}) "
-                                   "without a word: killed, or out of memory?")
         try:
+            while not self.conn.poll(0.5):
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the sampler process died (exit code "
+                                       f"{self.process.exitcode}) without a word: killed, or out "
+                                       "of memory?")
             kind, payload = self.conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # its end of the pipe closed, or reset, mid-message
             self.process.join(5)
             raise RuntimeError(f"the sampler process died (exit code {self.process.exitcode})") \
                 from None

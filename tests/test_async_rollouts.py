@@ -133,6 +133,32 @@ def test_a_sampler_that_dies_stops_the_trainer_saying_so(tmp_path):
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
 
 
+@pytest.mark.parametrize("error", [ConnectionResetError, BrokenPipeError, EOFError])
+def test_a_pipe_that_breaks_mid_message_is_the_sampler_dying(error):
+    """However its end of the pipe goes (reset, broken, closed), the trainer says the sampler died,
+    in one line, not the pipe's traceback."""
+    from run.async_rollouts import AsyncRollouts
+
+    class Broken:
+        def poll(self, timeout):
+            return True
+
+        def recv(self):
+            raise error(104, "Connection reset by peer") if error is not EOFError else error()
+
+    class Dead:
+        exitcode = -9
+
+        def join(self, timeout):
+            pass
+
+    rollouts = AsyncRollouts.__new__(AsyncRollouts)  # only its pipe and process: no sampler
+    rollouts.conn, rollouts.process = Broken(), Dead()
+    with pytest.raises(RuntimeError, match=r"the sampler process died \(exit code -9\)") as e:
+        rollouts.receive()
+    assert e.value.__suppress_context__
+
+
 def test_a_sampler_that_raises_stops_the_trainer_with_its_traceback(tmp_path):
     """An error in the sampler process (here: a model folder it cannot read) reaches the trainer
     as the sampler's own traceback, at the trainer's first wait for a batch."""

@@ -218,6 +218,37 @@ def test_a_kv_cache_the_machine_cannot_give_fails(monkeypatch):
                                                "--vllm_cpu_kv_cache_gb=4"]))
 
 
+def test_a_weight_ring_the_machine_cannot_hold_fails_before_a_model_loads(monkeypatch, tmp_path):
+    """async_rollouts keeps max_staleness + 1 fp32 copies of the pushed weights in shared memory:
+    the size is the real ring's, and one past the free memory fails with what to lower."""
+    from model import build_tiny, load_policy, push_weights_iter
+
+    cfg = load_config(overrides=["--model=tiny", "--engine=hf", "--async_rollouts=true",
+                                 "--max_staleness=3"])
+    _, policy = load_policy(cfg, build_tiny(str(tmp_path / "tiny")), "cpu")
+    pushed = sum(t.numel() for _, t in push_weights_iter(policy))
+    # the estimate leaves out norms; tied: lm_head is pushed as a tensor of its own
+    built = {**memory.SHAPES["tiny"], "vocab_size": policy.config.vocab_size}
+    assert count_params(built) + built["vocab_size"] * 64 == pytest.approx(pushed, rel=0.01)
+    ring = 4 * (count_params(memory.SHAPES["tiny"]) + 512 * 64) * 4 / 2**30  # 4 copies, 4 bytes
+    monkeypatch.setattr(preflight, "available_memory_gib", lambda: 0.99 * ring)
+    monkeypatch.setattr(preflight, "shared_memory_gib", lambda: 1e6)
+    with pytest.raises(ConfigError, match=r"max_staleness=3 keeps 4 fp32 copies .* lower "
+                                          "max_staleness"):
+        preflight.preflight(cfg)
+    monkeypatch.setattr(preflight, "available_memory_gib", lambda: 1.01 * ring)
+    preflight.preflight(cfg)
+    monkeypatch.setattr(preflight, "shared_memory_gib", lambda: 0.99 * ring)  # a small /dev/shm
+    with pytest.raises(ConfigError, match="RAM and /dev/shm"):
+        preflight.preflight(cfg)
+    # not async: no ring
+    preflight.preflight(load_config(overrides=["--model=tiny", "--engine=hf", "--max_staleness=3"]))
+    with pytest.raises(ConfigError, match=r"max_staleness=1000000000 keeps"):  # this machine
+        preflight.preflight(load_config(overrides=["--model=tiny", "--engine=hf",
+                                                   "--async_rollouts=true",
+                                                   "--max_staleness=1000000000"]))
+
+
 # ---------------------------------------------------------------- the model's source, the library
 
 
