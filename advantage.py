@@ -23,6 +23,7 @@ class AdvantageSettings:
     adv_scale: str = "group"
     adv_zero_std_groups: bool = False
     adv_clip: float = 0.0
+    adv_pass_k: int = 0
 
 
 def _groups(rewards, group_size):
@@ -55,6 +56,8 @@ def group_advantages(rewards, group_size, settings=AdvantageSettings(), *, batch
     A NaN reward (a completion every TRL reward function left unscored) is left out of its group's
     mean and std and gets 0, as TRL's nanmean, nanstd and nan_to_num do; so does every row of a
     group with fewer than two scored rewards. [1, NaN, NaN, 0] -> [0.707, 0, 0, -0.707].
+    pass_k:   K > 0 (Pass@k Training, Chen et al. 2025): pass_k_advantages' in place of baseline
+              and scale (the run's check refuses them set too); clip still applies. 0 = off.
     Returns (N,) float32 (float64 for float64 rewards).
 
     Example, one group of G = 4, rewards [1, 0, 0, 0] (mean 0.25, unbiased std 0.5):
@@ -66,6 +69,9 @@ def group_advantages(rewards, group_size, settings=AdvantageSettings(), *, batch
     baseline, scale = settings.adv_baseline, settings.adv_scale
     zero_std_groups, clip = settings.adv_zero_std_groups, settings.adv_clip
     groups = _groups(rewards, group_size)  # (P, G)
+    if settings.adv_pass_k:  # Pass@k Training: the advantage of a group's best of K
+        adv = pass_k_advantages(rewards, group_size, settings.adv_pass_k)
+        return adv.clamp(-clip, clip) if clip > 0 else adv
     if baseline not in ("mean", "leave-one-out") or scale not in ("group", "batch", "none"):
         raise ValueError(f"baseline must be 'mean' or 'leave-one-out' and scale 'group', 'batch' "
                          f"or 'none', got {baseline!r}, {scale!r}")
@@ -102,6 +108,88 @@ def group_advantages(rewards, group_size, settings=AdvantageSettings(), *, batch
     return adv.reshape(-1)
 
 
+def pass_k_advantages(rewards, group_size, k):
+    """Pass@k Training (Chen et al. 2025): advantages that optimise a group's best of k, not each
+    completion alone; the analytic form of their bootstrap over k-subsets of the group.
+
+    Think of every k-subset of a group as one try at pass@k, scored by its best reward (max). The
+    subsets' scores have mean mu and (population) std sigma; a completion's advantage is the mean,
+    over the subsets that hold it, of (score - mu) / sigma. With the rewards sorted ascending,
+    r_0 <= ... <= r_(n-1):
+        P(a k-subset's best is r_j) = C(j, k-1) / C(n, k)                       -> mu, sigma
+        E[best | the subset holds r_i] = (C(i, k-1) r_i + sum_{j>i} C(j-1, k-2) r_j) / C(n-1, k-1)
+    (its own reward when the other k-1 are below it, else r_j when r_j is the best of them).
+    For 0/1 rewards with c correct this is the paper's closed form: mu = 1 - C(n-c, k)/C(n, k),
+    sigma = sqrt(mu (1 - mu)), a correct completion (1 - mu) / sigma, a wrong one
+    (1 - mu - C(n-c-1, k-1) / C(n-1, k-1)) / sigma. Any reward works (the best of k is the max).
+
+    rewards: (N,) groups contiguous; NaN (unscored) rows are left out, as in group_advantages, and
+        get 0. k: 1 <= k < group_size; a group whose k-subsets all score the same (fewer than k
+        rewards below its best: all equal, or pass@k already 1) gets exactly 0.
+    k = 1 is GRPO's z-score with the population std. Returns (N,) like group_advantages.
+
+    Example, G = 4, k = 2, rewards [1, 0, 0, 0]: mu = 1/2, sigma = 1/2; the correct one is in 3
+    pairs, all scoring 1: (1 - 1/2) / (1/2) = 1; a wrong one is in 1 pair of 3 that scores 1:
+    (1/3 - 1/2) / (1/2) = -1/3. -> [1, -1/3, -1/3, -1/3] (GRPO: [1.5, -0.5, -0.5, -0.5]).
+    """
+    groups = _groups(rewards, group_size)  # (P, G)
+    out = torch.zeros_like(groups)
+    for p, row in enumerate(groups):
+        scored = (~row.isnan()).nonzero().flatten()
+        n = len(scored)
+        r, order = row[scored].double().sort()  # ascending
+        # fewer than k below the best: every k-subset holds a best one, all score the same
+        if (r < r[-1]).sum() < k:
+            continue
+        best = torch.tensor([comb(j, k - 1) for j in range(n)], dtype=torch.float64) / comb(n, k)
+        mu = (best * r).sum()
+        sigma = ((best * r * r).sum() - mu * mu).clamp(min=0).sqrt()
+        above = torch.tensor([comb(j - 1, k - 2) for j in range(n)], dtype=torch.float64) * r
+        above = above.flip(0).cumsum(0).flip(0) - above  # sum over j > i
+        own = torch.tensor([comb(i, k - 1) for i in range(n)], dtype=torch.float64) * r
+        expected = (own + above) / comb(n - 1, k - 1)
+        out[p, scored[order]] = ((expected - mu) / sigma.clamp(min=STD_FLOOR)).to(out.dtype)
+    return out.reshape(-1)
+
+
+def comb(n, r):
+    """C(n, r), 0 where r < 0 (math.comb refuses it) or r > n."""
+    return math.comb(n, r) if 0 <= r <= n else 0
+
+
+def component_advantages(terms, weights, group_size, settings=AdvantageSettings(), *,
+                         batch_sum=None):
+    """GDPO (Liu et al. 2026; TRL's multi_objective_aggregation="normalize_then_sum"): each reward
+    term normalised in its group on its own, weighed, summed, then divided by the batch's std.
+
+    Summing first (GRPO) lets a term with a wide spread drown one with a narrow spread: in
+    10 * length_score + correct, the z-score is nearly all length. Here each term's group z-score
+    counts once, times its weight.
+    terms: (N, K) the reward's terms, unweighted (rewards.reward_terms); weights: (K,).
+    settings: each term's group_advantages (its baseline, zero_std_groups; scale "group"); clip
+        after the batch scaling, as group_advantages clips.
+    batch_sum: as group_advantages', so the batch std is the global batch's.
+    Each term's z-score is centred in its group, so the sum has mean 0 in every group already; TRL
+    subtracts the batch mean too, which is that 0 up to rounding and leaves a group of equal
+    rewards a residual advantage: here it stays exactly 0. A row with a NaN term gets 0.
+
+    Example, G = 4, correct [1, 0, 0, 0] and format [1, 1, 0, 0], weights 1 and 0.1: z-scores
+    [1.5, -.5, -.5, -.5] and [.866, .866, -.866, -.866]; summed [1.587, -.413, -.587, -.587];
+    / their std 1.061 -> [1.496, -0.390, -0.553, -0.553] (GRPO on the sums 1.1, 0.1, 0, 0:
+    [1.494, -0.374, -0.560, -0.560]). Equal spreads give GRPO's advantages exactly.
+    """
+    if terms.dim() != 2 or weights.shape != terms.shape[1:]:
+        raise ValueError(f"terms must be (N, K) and weights (K,), got {tuple(terms.shape)} and "
+                         f"{tuple(weights.shape)}")
+    each = AdvantageSettings(settings.adv_baseline, "group", settings.adv_zero_std_groups)
+    total = sum(w * group_advantages(terms[:, j], group_size, each)
+                for j, w in enumerate(weights.tolist()))
+    scored = ~terms.isnan().any(dim=1)
+    adv = total / batch_std(total[scored], batch_sum).clamp(min=STD_FLOOR)
+    adv = torch.where(scored, adv, torch.zeros_like(adv))
+    return adv.clamp(-settings.adv_clip, settings.adv_clip) if settings.adv_clip > 0 else adv
+
+
 def scored_only(groups, baseline, scale, zero_std_groups, batch_sum):
     """group_advantages' (P, G) advantages over each group's scored (non-NaN) rewards only."""
     scored = ~groups.isnan()  # (P, G)
@@ -133,6 +221,13 @@ def batch_std(x, batch_sum=None):
     n, s1, s2 = total(x.numel()), total(x.sum().item()), total((x.double() ** 2).sum().item())
     var = (s2 - s1 * s1 / n) / (n - 1) if n > 1 else 0.0
     return torch.tensor(max(var, 0.0) ** 0.5, dtype=x.dtype)
+
+
+def informative_groups(rewards, G):
+    """Indices of groups whose rewards are not all equal (R7: the others have zero advantage); a
+    NaN (unscored) reward is left out, as group_advantages leaves it."""
+    rows = [row[~row.isnan()] for row in rewards.view(-1, G)]
+    return [g for g, row in enumerate(rows) if len(row) > 1 and row.max() > row.min()]
 
 
 def group_stats(rewards, group_size, correct=None):

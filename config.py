@@ -64,6 +64,7 @@ class Config:
     unparsed_penalty: float = -0.2  # W2: added to no well-formed answer (larger, -0.5); 0 = off
     length_soft_limit: int = 0  # W3: past this many completion tokens, -0.05 per 32 begun; 0 = off
     length_min: int = 0  # W3: completions shorter than this many tokens score 0; 0 = off
+    length_reward: float = 0.0  # W7: times Kimi k1.5's length reward (short right answers); 0 = off
     # "correct": a right answer (code: the share of tests passed), weight 1; "format": the
     # <think>..</think><answer>..</answer> layout, 0.1; a task's own: its WEIGHTS, else 1
     reward_weights: str = ""  # W2: "name:weight,..." of the reward's components (TRL's, by name)
@@ -125,6 +126,8 @@ class Config:
     adv_scale: str = "group"  # A1: / std of the "group", of the "batch" (TRL), or "none" (Dr. GRPO)
     adv_zero_std_groups: bool = False  # A2: groups with std < 1e-4 (its floor) get advantage 0
     adv_clip: float = 0.0  # A3: clamp to +-this after normalising (5 binary, 3 continuous); 0 = off
+    adv_pass_k: int = 0  # A5: advantages for the best of K in a group (Pass@k Training); 0 = off
+    adv_per_component: bool = False  # A6: each reward term normalised in its group, summed (GDPO)
 
     # ---- loss (L1-L8) ----
     clip_eps: float = 0.2  # L1: PPO clip 1 +- eps (TRL epsilon, verl clip_ratio); inert in 1 epoch
@@ -156,9 +159,8 @@ class Config:
     warmup_steps: int = 5  # O1: warm-up steps (linear; 20-50 for long runs), then cosine decay
     min_lr_ratio: float = 0.1  # O1: the cosine's floor, a share of lr; 1.0 = constant after warm-up
     weight_decay: float = 0.0  # AdamW weight decay
-    # beta2 0.99, not 0.999 (torch, TRL, verl): RL gradients shrink as groups saturate, and 0.99's
-    # second moment follows their scale over ~100 steps, not ~1,000 (OpenRLHF, DeepSeek: 0.95). In
-    # a 30-step run the two differ little: bias-corrected, both weigh the steps so far near-equally
+    # beta2 0.99, not 0.999 (torch, TRL, verl): RL gradients shrink as groups saturate; 0.99 follows
+    # their scale over ~100 steps, not ~1,000 (OpenRLHF, DeepSeek: 0.95); in 30 steps, alike
     adam_betas: tuple = (0.9, 0.99)  # AdamW betas (beta1, beta2)
     grad_clip: float = 1.0  # O2: clip the global grad norm to this; 0 = off
     dtype: str = "auto"  # O5: "bfloat16" | "float32" | "auto": bf16 on GPU and on a CPU with bf16
@@ -202,21 +204,16 @@ DELETED = {
     "kl_down": (0.8, "adaptive KL multiplies beta by 0.8 (loss.adaptive_kl_beta's `down`)"),
     "parity_warn": (0.0, "the sampler-trainer gap warns above a bound by compute dtype, "
                          "config.PARITY_WARN (1e-3 in fp32, 0.1 in bf16)"),
-    "length_penalty_tokens": (32, "length shaping takes 0.05 per 32 tokens (rewards.shape_reward's "
-                                  "length_penalty_tokens)"),
+    "length_penalty_tokens": (32, "length shaping takes 0.05 per 32 tokens (shape_reward's)"),
     "length_penalty": (0.05, "length shaping takes 0.05 per 32 tokens past length_soft_limit "
                              "(rewards.shape_reward's length_penalty)"),
     "env_timeout": (5.0, "tool_timeout is an environment's (or TOOLS') call's deadline too: a run "
                          "has tools=True's calls or a task's turns, never both"),
-    "adv_std_floor": (1e-4, "the std is floored at 1e-4 (advantage.STD_FLOOR), as TRL adds 1e-4 "
-                            "to it"),
-    "format_weight": (0.1, "the format component's weight is --reward_weights=format:W "
-                           "(default 0.1)"),
-    "correct_weight": (1.0, "the correct component's weight is --reward_weights=correct:W "
-                            "(default 1)"),
+    "adv_std_floor": (1e-4, "the std is floored at 1e-4 (advantage.STD_FLOOR); TRL adds 1e-4"),
+    "format_weight": (0.1, "the format weight is --reward_weights=format:W (default 0.1)"),
+    "correct_weight": (1.0, "the correct weight is --reward_weights=correct:W (default 1)"),
     "max_nonfinite": (5, "a run stops after 5 skipped updates in a row (grpo.MAX_NONFINITE)"),
-    "push_bucket_mb": (256, "weights go to vLLM in buckets of 256 MB (model.push_weights_iter's "
-                            "bucket_mb)"),
+    "push_bucket_mb": (256, "weights go to vLLM in 256 MB buckets (push_weights_iter's bucket_mb)"),
     "wandb_project": ("", "--report_to=wandb logs to wandb, the project named by the WANDB_PROJECT "
                           "environment variable (as under TRL), else 'grpo'; set it to the old "
                           "wandb_project to go on with a resumed run's wandb run"),
@@ -591,7 +588,8 @@ def check_values(cfg):
                  "grad_clip", "lora_rank", "length_soft_limit", "length_min",
                  "curriculum_ramp_steps", "save_every", "eval_every", "sample_every",
                  "sample_groups", "temperature_end", "dynamic_sampling_rounds",
-                 "ref_refresh_steps", "reward_workers", "reward_timeout", "tool_error_penalty"):
+                 "ref_refresh_steps", "reward_workers", "reward_timeout", "tool_error_penalty",
+                 "length_reward"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)} must be >= 0")
 
 
@@ -601,6 +599,13 @@ def check_batch(cfg):
     need(cfg.batch_size >= 1, f"batch_size={cfg.batch_size} must be >= 1: the completions of a "
                               f"step, a multiple of group_size={G} (e.g. {8 * G})")
     need(G >= 2, f"group_size={G}: GRPO needs >= 2 completions per prompt to form a baseline (R3)")
+    need(0 <= cfg.adv_pass_k < G, f"adv_pass_k={cfg.adv_pass_k} must be in 0..group_size - 1 "
+         f"= {G - 1}: a group's best of K, K below the group's size (A5); 0 = off")
+    plain = cfg.adv_baseline == "mean" and cfg.adv_scale == "group"
+    need(not cfg.adv_pass_k or plain and not cfg.adv_per_component, "adv_pass_k sets the "
+         "advantage itself: leave adv_baseline, adv_scale at mean, group, adv_per_component off")
+    need(not cfg.adv_per_component or cfg.adv_scale == "group", "adv_per_component normalises each "
+         f"term in its group, then by the batch's std: adv_scale={cfg.adv_scale!r} must be 'group'")
     if G < 4:
         warnings.warn(f"group_size={G} < 4: group baselines are very noisy; 8 is usual (R3)")
     lower = cfg.batch_size // G * G

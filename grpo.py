@@ -55,15 +55,16 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from advantage import group_advantages, group_stats
+from advantage import component_advantages, group_advantages, group_stats, informative_groups
 from config import ConfigError
-from episodes.task import multi_turn, score
+from episodes.task import multi_turn, score, split_reward
 from infra import log, parallel
 from infra.checkpoint import save_checkpoint
 from infra.log import Diverged, Logger, diverged, dump_samples, end_step, memory_gb, timed
 from loss import adaptive_kl_beta, grpo_loss, high_entropy_mask, lr_at, sampler_is_weights
 from model import push_weights_iter, self_attending_mask, sequence_logprobs
 from perf import shared_prompt
+from rewards import length_rewards
 from rollout import Rollouts, row_seeds
 from run.async_rollouts import AsyncRollouts, Phases, load_pending
 from run.evals import eval_only, evaluate_in_run, wake_and_evaluate
@@ -125,6 +126,10 @@ def generate_and_score(engine, train, idx, seeds, cfg, temperature):
     # a failed call costs a little: the model learns to write code that runs
     if cfg.tool_error_penalty:
         rewards = rewards - cfg.tool_error_penalty * tool_errors
+    if cfg.length_reward:  # W7, Kimi k1.5: within the group, shorter right answers earn more
+        components["length_reward"] = length_rewards(torch.tensor(lengths), components.get(
+            "correct", torch.zeros(len(lengths))), cfg.group_size) * (1 - components["errors"])
+        rewards = rewards + cfg.length_reward * components["length_reward"]
     return Rollouts(
         problem=problem,
         completions=completions,
@@ -141,18 +146,12 @@ def generate_and_score(engine, train, idx, seeds, cfg, temperature):
     )
 
 
-def informative_groups(rewards, G):
-    """Indices of groups whose rewards are not all equal (R7: the others have zero advantage); a
-    NaN (unscored) reward is left out, as group_advantages leaves it."""
-    rows = [row[~row.isnan()] for row in rewards.view(-1, G)]
-    return [g for g, row in enumerate(rows) if len(row) > 1 and row.max() > row.min()]
-
-
 def zero_gradient_rows(batch, cfg):
     """The rows of groups whose rewards are all equal, where their gradient is exactly 0: their
     advantage is 0 and, with no KL term and no entropy term, nothing else weighs their tokens. No
     pass need compute them; their tokens still count in the token-mean (L2), as TRL counts them."""
-    if cfg.beta > 0 or cfg.entropy_coef > 0 or cfg.entropy_top_quantile > 0:
+    # A6: per-component advantages can give a group of equal sums a spread; skip nothing there
+    if cfg.beta or cfg.entropy_coef or cfg.entropy_top_quantile or cfg.adv_per_component:
         return set()
     busy = set(informative_groups(batch.rewards, cfg.group_size))
     return {i for i in range(len(batch)) if i // cfg.group_size not in busy}
@@ -174,8 +173,7 @@ def collect_rollouts(engine, prompt_sampler, train, cfg, step, temperature, time
     seeds = sampling_seeds(cfg, step, rank * share, share)
     batch = generate_and_score(engine, train, idx, seeds, cfg, temperature)
     drawn = batch.gathered()
-    rounds = 0
-    num_drawn = cfg.prompts_per_step
+    rounds, num_drawn = 0, cfg.prompts_per_step
     if cfg.dynamic_sampling:  # R7: keep only groups with a reward spread; refill (rounds > 0)
         batch = batch.groups(informative_groups(batch.rewards, G), G)
         # refill rounds follow the global minimum, so every rank draws the same prompts
@@ -631,8 +629,12 @@ def train_step(run, step):
         return
 
     # ---- advantages against each prompt's group (A1-A3): GRPO's replacement for a critic
-    advantages = group_advantages(batch.rewards, G, cfg,  # the adv_* settings, by name
-                                  batch_sum=parallel.all_sum)  # (N,) this rank's rows
+    if cfg.adv_per_component:  # A6, GDPO: each reward term against its group, then summed
+        terms, weights = split_reward(run.train.task, cfg, batch.rewards, batch.components)
+        advantages = component_advantages(terms, weights, G, cfg, batch_sum=parallel.all_sum)
+    else:
+        advantages = group_advantages(batch.rewards, G, cfg,  # the adv_* settings, by name
+                                      batch_sum=parallel.all_sum)  # (N,) this rank's rows
 
     # ---- tensors, masks, micro-batches; the old and reference logprobs once (F1, L7)
     idle = set()
@@ -667,8 +669,7 @@ def train_step(run, step):
 
 
 def rollout_phase(run, step, temperature, times, memory):
-    """The step's batch: (batch, drawn, rounds, evals), as collect_rollouts gives them, and the
-    evals when due."""
+    """The step's batch, (batch, drawn, rounds) as collect_rollouts gives them, and the evals."""
     if run.cfg.async_rollouts:  # R8: made meanwhile by the sampler process, with older weights
         return run.rollouts.next(step, times)
     # ---- wake the engine, push the policy into it (R1, R2); eval every eval_every steps

@@ -532,3 +532,46 @@ def score_batch(results, lengths, weights=None, **shaping):
     per_component["timeouts"] = torch.tensor([float(c == "timeout") for c in results])
     return torch.tensor(rewards, dtype=torch.float32), per_component
 
+
+
+# ---------------------------------------------------------------- group-level terms
+
+def length_rewards(lengths, correct, group_size):
+    """Kimi k1.5's length reward (Kimi Team 2025, sec. 2.3.3): within each group, shorter is better
+    for a right answer, and a wrong one is never paid for being short.
+
+    lambda_i = 0.5 - (len_i - min_len) / (max_len - min_len) over the group (0 when all lengths are
+    equal); a right answer (correct >= 1: full marks) gets lambda_i, a wrong one min(0, lambda_i).
+    lengths, correct: (N,), groups contiguous. Returns (N,) float32 in [-0.5, 0.5]; the run adds
+    it times length_reward, as the component "length_reward".
+
+    Example, G = 3, lengths [10, 20, 30]: lambda [0.5, 0, -0.5]. Correct [1, 1, 0] -> [0.5, 0,
+    -0.5]; correct [0, 0, 1] -> [0, 0, -0.5] (the short wrong ones get min(0, lambda) = 0).
+    """
+    n = lengths.float().view(-1, group_size)  # (P, G)
+    shortest, longest = n.amin(dim=1, keepdim=True), n.amax(dim=1, keepdim=True)
+    span = longest - shortest
+    lam = torch.where(span > 0, 0.5 - (n - shortest) / span.where(span > 0, 1.0), 0.0)
+    right = correct.view(-1, group_size) >= 1
+    return torch.where(right, lam, lam.clamp(max=0.0)).reshape(-1)
+
+
+NOT_TERMS = ("parsed", "errors", "timeouts", "unscored")  # components the reward does not sum
+
+
+def reward_terms(rewards, components, weights):
+    """The reward split into the terms it sums, for per-component advantages (GDPO):
+    (terms (N, K), weights (K,), names). Each component but NOT_TERMS, unweighted, with its weight
+    (weights, else WEIGHTS', else 1, as shape_reward weighs it), and "shaping": whatever the reward
+    adds beyond them (the penalties, length shaping; weight 1). weights @ terms == rewards.
+    A NaN (unscored) reward makes its row's "shaping" NaN."""
+    weights = {**WEIGHTS, **weights}
+    names = [k for k in components if k not in NOT_TERMS]
+    values = torch.stack([components[k].float() for k in names], dim=1) if names else \
+        torch.zeros(len(rewards), 0)
+    w = torch.tensor([weights.get(k, 1.0) for k in names], dtype=torch.float32)
+    # to 1e-6: float32's rounding of the sum leaves ~1e-8 where shaping added nothing, and a group
+    # z-score would blow that up to ~1e-4
+    shaping = torch.round(rewards.float() - values @ w, decimals=6)
+    return (torch.cat([values, shaping[:, None]], dim=1), torch.cat([w, torch.ones(1)]),
+            names + ["shaping"])

@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 from config import Config, ConfigError, builtin_tasks, task_path
 from data.files import is_data_path, load_rows
 from episodes.tools import python as run_code_tool
-from rewards import score_batch
+from rewards import reward_terms, score_batch
 from scoring import execute
 from scoring.runner import task_rewards
 
@@ -433,6 +433,15 @@ def score(task, texts, problems, lengths, cfg, completion_ids=None, env_rewards=
             results[i] = {**results[i], **env}
     weights, shape = reward_shaping(task, cfg)
     return score_batch(results, lengths, weights, **shape)
+
+
+def split_reward(task, cfg, rewards, components):
+    """rewards.reward_terms with this run's weights: the terms that per-component advantages (A6,
+    GDPO) normalise one by one; (terms (N, K), weights (K,))."""
+    weights, _ = reward_shaping(task, cfg)
+    terms, w, _ = reward_terms(rewards, components,
+                               {**weights, "length_reward": cfg.length_reward})
+    return terms, w
 
 
 if __name__ == "__main__":

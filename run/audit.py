@@ -79,6 +79,11 @@ def check_task_output(task, problems, cfg):
                           quiet=True)[0]
     if isinstance(result, str) and result.startswith("wrong type"):
         raise ConfigError(f"{task.where}: {'' if task.reward_funcs else 'reward() '}{result}")
+    if cfg.length_reward and isinstance(result, dict) and "correct" not in result \
+            and not task.episodic:  # an environment may give "correct" over its turns
+        raise ConfigError(f"{task.where}: length_reward pays short right answers, and the "
+                          f"reward's components {sorted(result)} have no 'correct' to say which "
+                          "are right; add one, or set length_reward=0")
 
 
 def replay(path, config_path=None):

@@ -3,13 +3,20 @@
     pytest tests/test_advantage.py
 """
 
+import itertools
 import math
 import statistics
 
 import pytest
 import torch
 
-from advantage import AdvantageSettings, group_advantages, group_stats
+from advantage import (
+    AdvantageSettings,
+    component_advantages,
+    group_advantages,
+    group_stats,
+    pass_k_advantages,
+)
 
 BATCH_LOO = AdvantageSettings(adv_scale="batch", adv_baseline="leave-one-out")  # RLOO on TRL's std
 
@@ -288,3 +295,131 @@ def test_the_std_floor_against_trls_added_epsilon():
     tiny = torch.tensor([0.0, 0.0, 0.0, 2e-8], dtype=torch.float64)  # std 1e-8
     trl = (tiny - tiny.mean()) / (tiny.std() + 1e-4)
     assert group_advantages(tiny, 4).tolist() == pytest.approx(trl.tolist(), rel=1e-3)
+
+
+# ---------------------------------------------------------------- pass@k advantages (A5)
+
+
+def brute_pass_k(group, k):
+    """Chen et al.'s bootstrap taken to its limit: every k-subset of the group, scored by its best
+    reward, z-scored over the subsets (population std); each completion's advantage the mean over
+    the subsets that hold it."""
+    subsets = list(itertools.combinations(range(len(group)), k))
+    scores = [max(group[i] for i in s) for s in subsets]
+    mu = sum(scores) / len(scores)
+    sigma = math.sqrt(sum((x - mu) ** 2 for x in scores) / len(scores))
+    if sigma == 0:
+        return [0.0] * len(group)
+    return [statistics.mean((x - mu) / sigma for s, x in zip(subsets, scores) if i in s)
+            for i in range(len(group))]
+
+
+def test_pass_k_hand_worked_and_the_papers_closed_form():
+    # G = 4, k = 2, one right: mu = 1/2, sigma = 1/2; the right one's pairs all score 1, a wrong
+    # one's pairs score 1 once in 3
+    got = pass_k_advantages(torch.tensor([1.0, 0, 0, 0]), 4, 2)
+    assert got.tolist() == pytest.approx([1, -1 / 3, -1 / 3, -1 / 3])
+    for n, k in ((8, 1), (8, 3), (8, 7), (16, 4), (5, 2)):
+        for c in range(1, n):  # c right of n
+            rewards = torch.tensor([1.0] * c + [0.0] * (n - c))
+            if n - c < k:  # every k-subset holds a right one: pass@k is 1, no signal
+                assert pass_k_advantages(rewards, n, k).tolist() == [0.0] * n
+                continue
+            mu = 1 - math.comb(n - c, k) / math.comb(n, k)
+            sigma = math.sqrt(mu * (1 - mu))
+            right = (1 - mu) / sigma
+            wrong = (1 - mu - math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1)) / sigma
+            assert pass_k_advantages(rewards, n, k).tolist() == pytest.approx(
+                [right] * c + [wrong] * (n - c), abs=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_pass_k_against_every_k_subset(k):
+    """Continuous rewards, ties, several groups, a group of equal rewards: as the enumeration."""
+    gen = torch.Generator().manual_seed(k)
+    rewards = torch.cat([torch.rand(6, generator=gen), torch.tensor([1.0, 0, 1, 0.5, 0.5, 0]),
+                         torch.full((6,), 0.3), (torch.rand(6, generator=gen) * 3).round()])
+    got = pass_k_advantages(rewards, 6, k)
+    want = [a for g in rewards.view(-1, 6).tolist() for a in brute_pass_k(g, k)]
+    assert got.tolist() == pytest.approx(want, abs=1e-5)
+    assert got[12:18].tolist() == [0.0] * 6  # equal rewards: exactly 0
+
+
+def test_pass_k_1_is_the_z_score_and_unscored_rows_are_left_out():
+    rewards = torch.tensor([1.0, 0, 0, 0, 2, 3, 5, 1])
+    population = group_advantages(rewards, 4) * math.sqrt(4 / 3)  # unbiased std -> population
+    assert pass_k_advantages(rewards, 4, 1).tolist() == pytest.approx(population.tolist())
+    with_nan = pass_k_advantages(torch.tensor([1.0, math.nan, 0, 0, 0]), 5, 2)
+    assert with_nan.tolist() == pytest.approx([1, 0, -1 / 3, -1 / 3, -1 / 3])
+    # at most k scored: every subset is the whole group
+    assert pass_k_advantages(torch.tensor([1.0, math.nan, math.nan, 0]), 4, 2).tolist() == [0] * 4
+
+
+def test_adv_pass_k_is_group_advantages_switch_and_clip_still_applies():
+    rewards = torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0])
+    on = AdvantageSettings(adv_pass_k=4)
+    assert group_advantages(rewards, 8, on).tolist() == pytest.approx(
+        pass_k_advantages(rewards, 8, 4).tolist())
+    clipped = group_advantages(rewards, 8, AdvantageSettings(adv_pass_k=4, adv_clip=0.1))
+    assert clipped.abs().max().item() == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------- per-component advantages (A6)
+
+
+def naive_gdpo(terms, weights, G):
+    """TRL's normalize_then_sum, one value at a time, with this module's std floor and without
+    its batch mean (0 here by construction)."""
+    N, K = len(terms), len(weights)
+    total = [0.0] * N
+    for j in range(K):
+        column = [t[j] for t in terms]
+        for start in range(0, N, G):
+            group = column[start : start + G]
+            mean, std = statistics.mean(group), statistics.stdev(group)
+            for i, r in enumerate(group):
+                z = 0.0 if max(group) == min(group) else (r - mean) / max(std, 1e-4)
+                total[start + i] += weights[j] * z
+    std = statistics.stdev(total)
+    return [a / max(std, 1e-4) for a in total]
+
+
+def test_per_component_hand_worked():
+    terms = torch.tensor([[1.0, 1], [0, 1], [0, 0], [0, 0]])  # correct, format
+    got = component_advantages(terms, torch.tensor([1.0, 0.1]), 4)
+    # z-scores [1.5, -.5, -.5, -.5] and [.866, .866, -.866, -.866]; summed; / their std 1.0609
+    summed = [1.5 + 0.0866025, -0.5 + 0.0866025, -0.5 - 0.0866025, -0.5 - 0.0866025]
+    assert got.tolist() == pytest.approx([x / statistics.stdev(summed) for x in summed], abs=1e-5)
+    assert got.tolist() == pytest.approx([1.4956, -0.3897, -0.5529, -0.5529], abs=1e-4)
+
+
+def test_per_component_keeps_a_narrow_term_from_drowning():
+    """correct 0/1 beside a score in the hundreds: summed first, the score is nearly all of the
+    advantage and the right answers barely count; normalised apart, each term weighs one unit."""
+    correct = torch.tensor([1.0, 1, 0, 0])
+    score = torch.tensor([100.0, 300, 200, 400])
+    summed = group_advantages(correct + score, 4)
+    apart = component_advantages(torch.stack([correct, score], dim=1), torch.ones(2), 4)
+    # the right answer with the worst score (0): summed, it is below a wrong one (2)
+    assert summed[0] < summed[2]
+    assert apart[0] > apart[2]  # apart: right beats wrong when the score gap is one step
+    gen = torch.Generator().manual_seed(0)
+    terms = torch.rand(24, 3, generator=gen).round(decimals=1)
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    want = naive_gdpo(terms.tolist(), weights.tolist(), 6)
+    assert component_advantages(terms, weights, 6).tolist() == pytest.approx(want, abs=1e-5)
+
+
+def test_per_component_equal_groups_stay_zero_and_nan_rows_are_left_out():
+    terms = torch.tensor([[1.0, 0], [1, 0], [1, 0], [1, 0], [1.0, 1], [0, 1], [0, 0], [0, 0]])
+    got = component_advantages(terms, torch.tensor([1.0, 0.1]), 4)
+    assert got[:4].tolist() == [0.0] * 4  # TRL subtracts a batch mean that leaves ~1e-8 here
+    assert abs(got[4:].sum().item()) < 1e-6
+    nan = terms.clone()
+    nan[5, 1] = math.nan
+    got = component_advantages(nan, torch.tensor([1.0, 0.1]), 4)
+    assert got[5].item() == 0.0 and math.isfinite(got.sum().item())
+    clipped = component_advantages(terms, torch.ones(2), 4, AdvantageSettings(adv_clip=0.5))
+    assert clipped.abs().max().item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match=r"terms must be \(N, K\)"):
+        component_advantages(terms, torch.ones(3), 4)

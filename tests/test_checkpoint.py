@@ -128,7 +128,8 @@ def test_every_setting_that_changes_what_is_learned_is_a_run_setting():
                "tools", "max_turns", "env_reward", "adaptive_kl", "kl_window", "kl_band",
                "data_seed", "train_size", "data_name", "data_columns", "curriculum",
                "curriculum_ramp_steps",
-               "temperature_end", "ref_refresh_steps", "lora_alpha"}
+               "temperature_end", "ref_refresh_steps", "lora_alpha", "length_reward",
+               "adv_per_component"}
     assert set(checkpoint.DELETED_RUN_SETTINGS) <= set(config.DELETED)
     assert learned <= set(RUN_SETTINGS), learned - set(RUN_SETTINGS)
     # a resume names a changed objective setting, and lets a free one change

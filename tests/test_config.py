@@ -41,8 +41,8 @@ def test_every_setting_has_a_comment():
 
 def test_every_technique_setting_names_its_spec_id():
     # the techniques that live in config, advantage and loss
-    for tech in ["D1", "D2", "W2", "W3", "R1", "R3", "R4", "A1", "A2", "A3", "L1", "L2", "L4", "L5",
-                 "L7", "L8", "F2", "O1", "O2", "O3", "O5"]:
+    for tech in ["D1", "D2", "W2", "W3", "W7", "R1", "R3", "R4", "A1", "A2", "A3", "A5", "A6", "L1",
+                 "L2", "L4", "L5", "L7", "L8", "F2", "O1", "O2", "O3", "O5"]:
         assert f"{tech}:" in inspect.getsource(Config), tech
 
 
@@ -310,6 +310,12 @@ def test_config_from_argv():
         (["--gpu_memory_utilization=0.95", "--gpu_memory_utilization=1.5"],
          "gpu_memory_utilization"),
         (["--max_steps=0"], "max_steps=0 must be >= 1"),
+        (["--adv_pass_k=4"], r"adv_pass_k=4 must be in 0..group_size - 1 = 3"),
+        (["--adv_pass_k=-1"], r"adv_pass_k=-1 must be in"),
+        (["--adv_pass_k=2", "--adv_baseline=leave-one-out"], "adv_pass_k sets the advantage"),
+        (["--adv_pass_k=2", "--adv_per_component=true"], "adv_pass_k sets the advantage"),
+        (["--adv_per_component=true", "--adv_scale=none"], "adv_scale='none' must be 'group'"),
+        (["--length_reward=-1"], "length_reward=-1.0 must be >= 0"),
     ],
 )
 def test_preflight_rejects_impossible_settings(overrides, message):

@@ -688,15 +688,17 @@ def plain_run(tmp_path_factory):
                                      ["--policy_loss=gpg"], ["--dual_clip=1.05"],
                                      ["--kl_estimator=k1"], ["--kl_estimator=k2"],
                                      ["--mini_batches=2", "--num_iterations=1"],
-                                     ["--entropy_top_quantile=0.2"]],
+                                     ["--entropy_top_quantile=0.2"], ["--adv_pass_k=2"],
+                                     ["--adv_per_component=true"], ["--length_reward=0.5"]],
                          ids=lambda v: ",".join(x[2:] for x in v))
 def test_each_loss_and_advantage_variant_trains_and_shows_its_effect(tmp_path, plain_run, variant):
     grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path}",
                *VARIANT_RUN, *variant])
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in metrics)
-    # step 0 samples before any update: the same groups
-    assert metrics[0]["reward"] == plain_run[0]["reward"]
+    # step 0 samples before any update: the same groups (length_reward adds to their rewards)
+    assert metrics[0]["acc"] == plain_run[0]["acc"]
+    assert metrics[0]["reward"] == plain_run[0]["reward"] or variant == ["--length_reward=0.5"]
     name, value = variant[0][2:].split("=")
     groups = [s for s in read_jsonl(tmp_path / "samples.jsonl") if s["step"] == 0]
     groups = [groups[i : i + 4] for i in range(0, len(groups), 4)]  # G = 4
@@ -728,6 +730,36 @@ def test_each_loss_and_advantage_variant_trains_and_shows_its_effect(tmp_path, p
                 and plain_run[0]["optimizer_steps"] == 2)
         # with one step per batch it is exactly 0
         assert all(m["approx_kl_old"] > 0 for m in metrics)
+    elif name == "adv_pass_k":  # A5: each group's advantages for its best of 2
+        from advantage import pass_k_advantages
+
+        for g in groups:
+            want = pass_k_advantages(torch.tensor([s["reward"] for s in g]), 4, 2).tolist()
+            assert [s["advantage"] for s in g] == pytest.approx(want, abs=1e-5)
+    elif name == "adv_per_component":  # A6: the terms apart, over the whole (dumped) batch
+        from advantage import component_advantages
+        from rewards import reward_terms
+
+        rows = [s for g in groups for s in g]
+        components = {k: torch.tensor([s["components"][k] for s in rows])
+                      for k in rows[0]["components"]}
+        terms, weights, names = reward_terms(torch.tensor([s["reward"] for s in rows]),
+                                             components, {})
+        assert names == ["correct", "format", "shaping"]
+        want = component_advantages(terms, weights, 4).tolist()
+        assert [s["advantage"] for s in rows] == pytest.approx(want, abs=1e-5)
+    elif name == "length_reward":  # W7: its own component, half of it in the reward
+        from rewards import length_rewards
+
+        for g in groups:
+            want = length_rewards(torch.tensor([s["length"] for s in g]),
+                                  torch.tensor([s["components"]["correct"] for s in g]), 4)
+            assert [s["components"]["length_reward"] for s in g] == pytest.approx(want.tolist())
+        assert any(s["components"]["length_reward"] != 0 for g in groups for s in g)
+        for s in (s for g in groups for s in g):
+            base = s["components"]["correct"] + 0.1 * s["components"]["format"]
+            assert s["reward"] == pytest.approx(base + 0.5 * s["components"]["length_reward"],
+                                                abs=1e-6)
     elif name == "entropy_top_quantile":
         # the policy gradient reaches the top 20% of tokens by entropy
         assert (all(0.2 <= m["pg_token_frac"] < 0.3 for m in metrics)

@@ -16,7 +16,9 @@ from rewards import (
     extract_answer,
     has_format,
     last_boxed,
+    length_rewards,
     math_reward,
+    reward_terms,
     score_batch,
     shape_reward,
 )
@@ -495,3 +497,48 @@ def test_after_tool_outputs_keeps_only_the_models_text_after_the_last_output():
     assert math_reward("<answer>42</answer>" + out + "41", "42", True, tools=True)["correct"] == 0.0
     # tools off
     assert math_reward("<answer>42</answer>" + out + "41", "42", True)["correct"] == 1.0
+
+
+# ---------------------------------------------------------------- group-level terms (W7, A6)
+
+
+def naive_length_rewards(lengths, correct, G):
+    """Kimi k1.5's length reward, one completion at a time."""
+    out = []
+    for start in range(0, len(lengths), G):
+        group = lengths[start : start + G]
+        lo, hi = min(group), max(group)
+        for n, c in zip(group, correct[start : start + G]):
+            lam = 0.0 if hi == lo else 0.5 - (n - lo) / (hi - lo)
+            out.append(lam if c >= 1 else min(0.0, lam))
+    return out
+
+
+def test_length_rewards_hand_worked_and_against_a_naive_loop():
+    lengths = torch.tensor([10, 20, 30])
+    assert length_rewards(lengths, torch.tensor([1.0, 1, 0]), 3).tolist() == [0.5, 0.0, -0.5]
+    # the short wrong ones are never paid: min(0, lambda)
+    assert length_rewards(lengths, torch.tensor([0.0, 0, 1]), 3).tolist() == [0.0, 0.0, -0.5]
+    assert length_rewards(torch.tensor([7, 7]), torch.tensor([1.0, 0]), 2).tolist() == [0.0, 0.0]
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 200, (40,), generator=gen)
+    correct = torch.randint(0, 3, (40,), generator=gen) / 2  # 0, 0.5 (partial: not right), 1
+    want = naive_length_rewards(lengths.tolist(), correct.tolist(), 8)
+    assert length_rewards(lengths, correct, 8).tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_reward_terms_add_up_to_the_reward():
+    """The components, weighed as shape_reward weighs them, and "shaping" (penalties, length
+    shaping) sum back to score_batch's rewards; a row with nothing added has shaping exactly 0."""
+    results = [{"correct": 1.0, "format": 1.0, "parsed": 1.0},
+               {"correct": 0.0, "format": 1.0, "parsed": 1.0, "style": 0.5},
+               {"correct": 0.0, "format": 0.0, "parsed": 0.0}, "timeout"]
+    shaping = {"wrong_penalty": -0.1, "unparsed_penalty": -0.5, "length_soft_limit": 50}
+    rewards, components = score_batch(results, [10, 90, 10, 10], {"style": 2.0}, **shaping)
+    terms, weights, names = reward_terms(rewards, components, {"style": 2.0})
+    assert names == ["correct", "format", "style", "shaping"]
+    assert weights.tolist() == pytest.approx([1.0, 0.1, 2.0, 1.0])
+    assert (terms @ weights).tolist() == pytest.approx(rewards.tolist(), abs=1e-6)
+    # -0.1 wrong, -0.05 x 2 past 50 tokens; -0.5 unparsed; the failed row: 0
+    assert terms[:, 3].tolist() == pytest.approx([0.0, -0.2, -0.5, 0.0])
+    assert terms[0, 3].item() == 0.0
