@@ -137,6 +137,7 @@ class Logger:
         self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
         self.max_steps = cfg.max_steps
         self.step_seconds = []  # this process's steps, for the time left
+        self.started = time.perf_counter()  # the run summary's wall time
         self.wandb = self.tb = None
         loggers = reporters(cfg.report_to)
         if "wandb" in loggers:
@@ -292,7 +293,31 @@ def end_step(cfg, step, metrics, t_step, final_eval, logger, save):
     t0 = time.perf_counter()
     if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
         save()
+    if last and logger is not None:
+        print(run_summary(cfg, step, metrics, time.perf_counter() - logger.started))
     return time.perf_counter() - t0
+
+
+SUMMARY_KEYS = ("pass@1_greedy", "avg@", "pass@", "maj@", "parsed", "format", "response_length")
+
+
+def run_summary(cfg, step, metrics, seconds):
+    """The console's last lines: steps and wall time, the final eval of each eval set (its greedy
+    pass@1, avg@n, pass@k, maj@n, parsed), where the checkpoint and metrics.jsonl are."""
+    minutes, secs = divmod(round(seconds), 60)
+    lines = [f"done: {step + 1} steps ({cfg.max_steps} planned), {minutes}m{secs:02d}s in this "
+             "process"]
+    sets = {}  # "" (the training task's test split) or an eval set's name -> its final metrics
+    for key, value in metrics.items():
+        if key.startswith("eval/") and key != "eval/updates":
+            name, _, metric = key[5:].rpartition("/")
+            if metric.startswith(SUMMARY_KEYS) and isinstance(value, (int, float)):
+                sets.setdefault(name, []).append(f"{metric} {value:.3f}")
+    for name, shown in sets.items():
+        lines.append(f"  final eval{' ' + name if name else ''}: " + " | ".join(shown))
+    where = os.path.join(cfg.out_dir, f"ckpt_{step + 1:06d}")
+    lines.append(f"  checkpoint {where} | metrics {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
+    return "\n".join(lines)
 
 
 class Diverged(RuntimeError):

@@ -21,7 +21,7 @@ import torch
 import config
 import grpo
 import rollout
-from config import ConfigError
+from config import ConfigError, load_config
 from episodes.task import Task
 from infra import checkpoint, log
 from infra.model_files import vllm_available
@@ -1187,3 +1187,26 @@ def test_the_phase_list_is_the_loops_order_and_the_readmes():
 
     where = [last_call(line.split()[0]) for line in listed]
     assert -1 not in where and where == sorted(where), list(zip(listed, where))
+
+
+def test_the_run_ends_with_a_summary_on_the_console(tmp_path):
+    """The final eval of each eval set, steps, wall time, the checkpoint and metrics.jsonl: the
+    console's last lines, as metrics.jsonl's last record has them."""
+    from infra.log import run_summary
+
+    out = run(tmp_path, "--engine=hf", "--max_steps=2", "--eval_every=0", "--eval_n=2",
+              f"--eval_tasks={os.path.join(ROOT, 'tasks', 'digits.py')}")
+    last = read_jsonl(tmp_path / "metrics.jsonl")[-1]
+    tail = out.strip().splitlines()[-4:]
+    assert re.fullmatch(r"done: 2 steps \(2 planned\), 0m\d\ds in this process", tail[0]), tail
+    greedy, avg, pass_k = (last[f"eval/{k}"] for k in ("pass@1_greedy", "avg@2", "pass@2"))
+    assert tail[1].startswith(f"  final eval: pass@1_greedy {greedy:.3f} | ")
+    assert f"avg@2 {avg:.3f}" in tail[1] and f"pass@2 {pass_k:.3f}" in tail[1]
+    assert tail[2].startswith("  final eval digits: pass@1_greedy ")  # the extra eval set
+    assert tail[3] == (f"  checkpoint {tmp_path / 'ckpt_000002'} | metrics "
+                       f"{tmp_path / 'metrics.jsonl'}")
+    assert (tmp_path / "ckpt_000002").is_dir()
+    cfg = load_config(overrides=["--out_dir=o", "--max_steps=9"])
+    assert run_summary(cfg, 4, {"eval/maj@4": 0.5, "eval/updates": 5, "loss": 1.0}, 61.4) == (
+        "done: 5 steps (9 planned), 1m01s in this process\n  final eval: maj@4 0.500\n"
+        "  checkpoint o/ckpt_000005 | metrics o/metrics.jsonl")

@@ -573,3 +573,18 @@ def test_an_audit_of_a_reference_that_is_not_a_string_says_so(tmp_path, capsys):
     assert audit(str(path)) > 0
     assert "bad reference: problem 0: reference() returned int 4; it must return a completion" \
         in capsys.readouterr().out
+
+
+def test_length_reward_needs_a_correct_component_and_says_so_before_a_model_loads(tmp_path):
+    """length_reward pays short right answers: a reward with no "correct" to say which are right
+    fails pre-flight, naming the components it has; digits' reward (with correct) passes."""
+    path = tmp_path / "styled.py"
+    path.write_text(open(os.path.join(ROOT, "tasks", "larger.py")).read().replace(
+        'return {"correct": float(right), "brief"', 'return {"right": float(right), "brief"'))
+    cfg, task = setup(f"--task={path}", "--length_reward=0.2")
+    with pytest.raises(ConfigError, match=r"length_reward pays short right answers, and the "
+                                          r"reward's components \['brief', 'right'\]"):
+        check_task_output(task, load_problems(cfg, task, "train"), cfg)
+    check_task_output(task, load_problems(cfg, task, "train"), setup(f"--task={path}")[0])
+    cfg, task = setup("--task=digits", "--length_reward=0.2")
+    check_task_output(task, load_problems(cfg, task, "train"), cfg)
