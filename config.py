@@ -144,6 +144,10 @@ class Config:
     num_iterations: int = 1  # L7: epochs over a batch (TRL num_iterations); 1 = on-policy, ratio 1
     mini_batches: int = 1  # L7: steps an epoch on 1/N of the groups each (TRL steps_per_generation)
     entropy_top_quantile: float = 0.0  # L5: PG on this top share of tokens by entropy only; 0 = off
+    # L9: on-policy distillation: each sampled token's advantage + distill_coef x log(p_teacher /
+    # p_student), a reverse KL; --reward_weights=correct:0,format:0 --unparsed_penalty=0: that alone
+    teacher: str = ""  # L9: the teacher, a model as `model` is (a ckpt_* folder too); "" = off
+    distill_coef: float = 1.0  # L9: the weight of the teacher's per-token signal
 
     # ---- reference model (F1) ----
     ref_offload: bool = False  # F1: keep the reference on the CPU between its once-per-batch passes
@@ -205,28 +209,23 @@ DELETED = {
     "parity_warn": (0.0, "the sampler-trainer gap warns above a bound by compute dtype, "
                          "config.PARITY_WARN (1e-3 in fp32, 0.1 in bf16)"),
     "length_penalty_tokens": (32, "length shaping takes 0.05 per 32 tokens (shape_reward's)"),
-    "length_penalty": (0.05, "length shaping takes 0.05 per 32 tokens past length_soft_limit "
-                             "(rewards.shape_reward's length_penalty)"),
-    "env_timeout": (5.0, "tool_timeout is an environment's (or TOOLS') call's deadline too: a run "
-                         "has tools=True's calls or a task's turns, never both"),
+    "length_penalty": (0.05, "length shaping takes 0.05 per 32 tokens past length_soft_limit"),
+    "env_timeout": (5.0, "tool_timeout is an environment's (or TOOLS') call's deadline too"),
     "adv_std_floor": (1e-4, "the std is floored at 1e-4 (advantage.STD_FLOOR); TRL adds 1e-4"),
     "format_weight": (0.1, "the format weight is --reward_weights=format:W (default 0.1)"),
     "correct_weight": (1.0, "the correct weight is --reward_weights=correct:W (default 1)"),
-    "max_nonfinite": (5, "a run stops after 5 skipped updates in a row (grpo.MAX_NONFINITE)"),
+    "max_nonfinite": (5, "a run stops after 5 skipped updates in a row (log.MAX_NONFINITE)"),
     "push_bucket_mb": (256, "weights go to vLLM in 256 MB buckets (push_weights_iter's bucket_mb)"),
     "wandb_project": ("", "--report_to=wandb logs to wandb, the project named by the WANDB_PROJECT "
                           "environment variable (as under TRL), else 'grpo'; set it to the old "
                           "wandb_project to go on with a resumed run's wandb run"),
-    "tensorboard": (False, "--report_to=tensorboard writes tensorboard events to out_dir/tb"),
-    "device_memory_gb": (0.0, "a run plans against its own GPU; against another, python -m "
-                              "infra.preflight --config RUN_FILE --device_memory_gb=80"),
+    "tensorboard": (False, "--report_to=tensorboard writes its events to out_dir/tb"),
+    "device_memory_gb": (0.0, "python -m infra.preflight --config X --device_memory_gb=80"),
     "curriculum_bands": ((0.2, 0.8), "the curriculum's buckets are hard below a pass rate of 0.2 "
                                      "and easy above 0.8 (data/sampler.CurriculumSampler's "
                                      "hard_below, easy_above)"),
-    "curriculum_hard_below": (0.2, "the curriculum's hard bucket is below a pass rate of 0.2 "
-                                   "(data/sampler.CurriculumSampler's hard_below)"),
-    "curriculum_easy_above": (0.8, "the curriculum's easy bucket is above a pass rate of 0.8 "
-                                   "(data/sampler.CurriculumSampler's easy_above)"),
+    "curriculum_hard_below": (0.2, "the curriculum's hard bucket is below a pass rate of 0.2"),
+    "curriculum_easy_above": (0.8, "the curriculum's easy bucket is above a pass rate of 0.8"),
     "is_mode": ("truncate", "is_correction names the level and what is done past the cap, as "
                             "TRL's vllm_importance_sampling_mode: token_truncate, token_mask, "
                             "sequence_truncate or sequence_mask"),
@@ -670,6 +669,8 @@ def check_update(cfg):
     need(0 <= cfg.is_floor < 1, f"is_floor={cfg.is_floor} must be in [0, 1) (IcePop: 0.5)")
     need(cfg.max_staleness >= 1, f"max_staleness={cfg.max_staleness} must be >= 1 (R8: 1 is one "
                                  "batch ahead)")
+    need(not cfg.teacher or cfg.distill_coef > 0, f"teacher={cfg.teacher!r} with distill_coef="
+         f"{cfg.distill_coef}: its logprobs would weigh nothing; set distill_coef > 0 (1 is usual)")
     need(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
 

@@ -150,8 +150,9 @@ def zero_gradient_rows(batch, cfg):
     """The rows of groups whose rewards are all equal, where their gradient is exactly 0: their
     advantage is 0 and, with no KL term and no entropy term, nothing else weighs their tokens. No
     pass need compute them; their tokens still count in the token-mean (L2), as TRL counts them."""
-    # A6: per-component advantages can give a group of equal sums a spread; skip nothing there
-    if cfg.beta or cfg.entropy_coef or cfg.entropy_top_quantile or cfg.adv_per_component:
+    # A6 can give a group of equal sums a spread, and a teacher (L9) weighs every token
+    weighed = cfg.beta or cfg.entropy_coef or cfg.entropy_top_quantile or cfg.teacher
+    if weighed or cfg.adv_per_component:
         return set()
     busy = set(informative_groups(batch.rewards, cfg.group_size))
     return {i for i in range(len(batch)) if i // cfg.group_size not in busy}
@@ -380,10 +381,12 @@ class Passes:
     old: torch.Tensor = None
     ref: torch.Tensor = None  # (N, L-1) the reference's (F1, L4)
     pg_mask: torch.Tensor = None  # (N, L-1) the tokens that get the policy gradient (L5, "80/20")
+    teacher: torch.Tensor = None  # (N, L-1) the teacher's (on-policy distillation, L9)
 
 
-def old_and_ref_logprobs(policy, ref, ub, cfg, beta, temperature, times):
-    """The old policy's logprobs, the reference's (only with beta > 0), entropy_top_quantile's mask.
+def old_and_ref_logprobs(policy, ref, ub, cfg, beta, temperature, times, teacher=None):
+    """The old policy's logprobs, the reference's (only with beta > 0), entropy_top_quantile's mask,
+    the teacher's (on-policy distillation).
 
     The old pass runs only when a batch gets more than one optimizer step (num_iterations or
     mini_batches > 1: from the second step on the policy is no longer the one that sampled), or when
@@ -402,10 +405,20 @@ def old_and_ref_logprobs(policy, ref, ub, cfg, beta, temperature, times):
             with policy.disable_adapter():
                 passes.ref = batch_logprobs(policy, ub, cfg, temperature)[0]
         elif beta > 0:
-            ref.to(ub.ids.device)
-            passes.ref = batch_logprobs(ref, ub, cfg, temperature)[0]
-            ref.to("cpu" if cfg.ref_offload else ub.ids.device)
+            passes.ref = frozen_logprobs(ref, ub, cfg, temperature)
+    with timed(times, "time/teacher"):
+        if teacher is not None:  # L9: the teacher's logprobs of the student's own tokens
+            passes.teacher = frozen_logprobs(teacher, ub, cfg, temperature)
     return passes
+
+
+def frozen_logprobs(model, ub, cfg, temperature):
+    """A frozen model's logprobs of the batch (the reference, a teacher), as the policy's are: on
+    the device for the pass, on the CPU again after it with ref_offload."""
+    model.to(ub.ids.device)
+    logprobs = batch_logprobs(model, ub, cfg, temperature)[0]
+    model.to("cpu" if cfg.ref_offload else ub.ids.device)
+    return logprobs
 
 
 # ---------------------------------------------------------------- the update (L1-L7, O1, O2)
@@ -451,7 +464,7 @@ def update_policy(train_model, optimizer, params, ub, passes, cfg, temperature, 
                 zero_gradient += 1
             loss = parallel.all_sum(loss)  # the global loss: every rank skips or steps alike
             grad_norm, stepped = optimizer_step(optimizer, params, loss, cfg.grad_clip)
-            skipped += count_nonfinite(stepped, state, cfg, loss, grad_norm)
+            skipped += log.count_nonfinite(stepped, state, cfg, loss, grad_norm)
             losses.append(loss)
     steps = cfg.num_iterations * len(ub.minis) - skipped
     return Update(sum(losses) / len(losses), grad_norm, skipped, steps, zero_gradient, sums,
@@ -502,6 +515,7 @@ def accumulate_gradients(train_model, ub, mini, passes, cfg, temperature, state,
             num_seqs=mini.num_seqs,
             is_weights=is_weights,
             pg_mask=passes.pg_mask[mb, :T] if passes.pg_mask is not None else None,
+            teacher_logprobs=passes.teacher[mb, :T] if passes.teacher is not None else None,
         )
         # micro-batch losses share the global mini-batch's denominator, so gradients add up (L2);
         # DDP and FSDP average gradients over ranks, where the batch's gradient is their sum:
@@ -537,23 +551,6 @@ def add_token_weighted(sums, metrics):
     for k, v in metrics.items():
         count = k == "num_tokens" or k.startswith("rows")
         sums[k] = sums.get(k, 0.0) + (v if count else v * metrics["num_tokens"])
-
-
-MAX_NONFINITE = 5  # L6: skipped updates in a row that stop the run
-
-
-def count_nonfinite(stepped, state, cfg, loss, grad_norm):
-    """L6: 1 if the step was skipped (non-finite loss or grad norm), else 0; MAX_NONFINITE in a
-    row stop the run."""
-    state.nonfinite_in_a_row = 0 if stepped else state.nonfinite_in_a_row + 1
-    if stepped:
-        return 0
-    print(f"step {state.step}: non-finite loss {loss} or grad norm {grad_norm.item()}; "
-          "update skipped")
-    if state.nonfinite_in_a_row >= MAX_NONFINITE:  # else the run goes on with a broken model
-        raise diverged(cfg, f"step {state.step}: {state.nonfinite_in_a_row} non-finite updates in "
-                            "a row")
-    return 1
 
 
 def adapt_beta(state, kl, cfg):
@@ -641,7 +638,8 @@ def train_step(run, step):
     if cfg.skip_zero_gradient:  # exact: no pass over rows whose gradient is 0; they still count
         idle = zero_gradient_rows(batch, cfg)
     ub = prepare_update(batch, advantages, cfg, run.tokenizer.pad_token_id, run.device, idle)
-    passes = old_and_ref_logprobs(policy, run.ref, ub, cfg, state.beta, temperature, times)
+    passes = old_and_ref_logprobs(policy, run.ref, ub, cfg, state.beta, temperature, times,
+                                  run.teacher)
 
     # ---- the update: num_iterations epochs, one optimizer step per mini-batch (L1-L7, O1, O2)
     lr = set_lr(run.optimizer, step, cfg)

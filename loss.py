@@ -37,6 +37,7 @@ class LossSettings:
     ratio_level: str = "token"
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    distill_coef: float = 1.0
 
 
 def policy_ratio(logprobs, old_logprobs, mask, level="token"):
@@ -68,7 +69,7 @@ def aggregate(per_token, mask, loss_agg, num_tokens=None, num_seqs=None, max_com
 
 def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(), *,
               ref_logprobs=None, beta=0.0, entropy=None, num_tokens=None, num_seqs=None,
-              is_weights=None, pg_mask=None):
+              is_weights=None, pg_mask=None, teacher_logprobs=None):
     """Clipped-surrogate GRPO loss of one (micro-)batch and its metrics.
 
     logprobs:     (B, T) fp32, current policy, with grad.
@@ -105,6 +106,9 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(),
     pg_mask:      (B, T) bool or None: only these tokens get the policy-gradient term
                   (high_entropy_mask); the KL and entropy terms still act on every response token,
                   and the token-mean still counts them all.
+    teacher_logprobs: (B, T) a teacher's logprobs, or None (L9, on-policy distillation, GKD): each
+                  token's advantage + distill_coef * (log p_teacher - log pi_old), whose expected
+                  gradient descends the reverse KL(pi || teacher). Logs teacher_kl, its estimate.
     Returns (loss, metrics): a scalar tensor and a dict of floats over this micro-batch's tokens.
 
     Example: one token, logprob = old, A = 2 -> r = 1, loss = -2 with token-mean (and with "cispo"
@@ -115,6 +119,9 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(),
     mask = mask.bool()
     eps_high = s.clip_eps_high or s.clip_eps
     adv = advantages.to(logprobs.dtype)[:, None]  # (B, 1): one advantage for a completion's tokens
+    if teacher_logprobs is not None:  # L9: the teacher's say per token: (B, T)
+        teacher_kl = torch.where(mask, old_logprobs.detach() - teacher_logprobs, 0.0)
+        adv = adv - s.distill_coef * teacher_kl
     log_ratio, ratio = policy_ratio(logprobs, old_logprobs, mask, s.ratio_level)  # (B, T) each
     per_token = policy_gradient_term(s, eps_high, ratio, torch.where(mask, logprobs, 0.0), adv)
     if is_weights is not None:  # R2: the tokens came from the sampler, not from pi_old exactly
@@ -137,6 +144,8 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, settings=LossSettings(),
         metrics["dual_clip_frac"] = _metrics_mean(mask, (ratio > s.dual_clip) & (adv < 0))
     if pg_mask is not None:  # the share of response tokens that got the policy gradient
         metrics["pg_token_frac"] = _metrics_mean(mask, pg_mask.bool())
+    if teacher_logprobs is not None:  # k1's estimate of KL(pi_old || teacher) per token
+        metrics["teacher_kl"] = _metrics_mean(mask, teacher_kl)
     return loss, metrics
 
 

@@ -13,15 +13,16 @@ from loss import token_logprobs
 from perf import cpu, logprobs
 
 
-def model_path(cfg):
-    """The folder (or hub name) the weights come from: "tiny" is built into out_dir, "smollm2-135m"
-    converted once (infra/model_files.py)."""
-    if cfg.model == "tiny":
+def model_path(cfg, name=None):
+    """The folder (or hub name) the weights of `name` (default: cfg.model) come from: "tiny" is
+    built into out_dir, "smollm2-135m" converted once (infra/model_files.py)."""
+    name = name or cfg.model
+    if name == "tiny":
         return build_tiny(os.path.join(cfg.out_dir, "tiny_model"), seed=cfg.seed)
-    if cfg.model == "smollm2-135m":
+    if name == "smollm2-135m":
         cache = os.path.expanduser(os.environ.get("GRPO_CACHE", "~/.cache/grpo"))
         return convert_smollm2(os.path.join(cache, "SmolLM2-135M-Instruct-f32"))
-    return cfg.model
+    return name
 
 
 def load_policy(cfg, path, device, adapter=None):

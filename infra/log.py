@@ -241,7 +241,8 @@ def step_metrics(update, ub, lr):
         "skipped_empty_batch": 0,  # 1: R7's filter left no group, no update (grpo.main)
     }
     for k in ("clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio", "entropy",
-              "is_weight_mean", "is_limited_frac", "dual_clip_frac", "pg_token_frac"):
+              "is_weight_mean", "is_limited_frac", "dual_clip_frac", "pg_token_frac",
+              "teacher_kl"):
         if k in sums:
             out[k] = sums[k] / n_tok
     if sums.get("rows"):  # R2, R8: completions a "_mask" is_correction left no token of
@@ -308,16 +309,36 @@ def run_summary(cfg, step, metrics, seconds):
     lines = [f"done: {step + 1} steps ({cfg.max_steps} planned), {minutes}m{secs:02d}s in this "
              "process"]
     sets = {}  # "" (the training task's test split) or an eval set's name -> its final metrics
+    pass_n = f"pass@{cfg.eval_n}"
     for key, value in metrics.items():
         if key.startswith("eval/") and key != "eval/updates":
             name, _, metric = key[5:].rpartition("/")
-            if metric.startswith(SUMMARY_KEYS) and isinstance(value, (int, float)):
+            # pass@k at k = eval_n only, as avg@n and maj@n are
+            other_k = metric.startswith("pass@") and metric not in ("pass@1_greedy", pass_n)
+            if metric.startswith(SUMMARY_KEYS) and not other_k and isinstance(value, (int, float)):
                 sets.setdefault(name, []).append(f"{metric} {value:.3f}")
-    for name, shown in sets.items():
-        lines.append(f"  final eval{' ' + name if name else ''}: " + " | ".join(shown))
+    for name, figures in sets.items():
+        lines.append(f"  final eval{' ' + name if name else ''}: " + " | ".join(figures))
     where = os.path.join(cfg.out_dir, f"ckpt_{step + 1:06d}")
     lines.append(f"  checkpoint {where} | metrics {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
     return "\n".join(lines)
+
+
+MAX_NONFINITE = 5  # L6: skipped updates in a row that stop the run (grpo.update_policy)
+
+
+def count_nonfinite(stepped, state, cfg, loss, grad_norm):
+    """L6: 1 if the step was skipped (non-finite loss or grad norm), else 0; MAX_NONFINITE in a
+    row stop the run."""
+    state.nonfinite_in_a_row = 0 if stepped else state.nonfinite_in_a_row + 1
+    if stepped:
+        return 0
+    print(f"step {state.step}: non-finite loss {loss} or grad norm {grad_norm.item()}; "
+          "update skipped")
+    if state.nonfinite_in_a_row >= MAX_NONFINITE:  # else the run goes on with a broken model
+        raise diverged(cfg, f"step {state.step}: {state.nonfinite_in_a_row} non-finite updates in "
+                            "a row")
+    return 1
 
 
 class Diverged(RuntimeError):

@@ -113,7 +113,7 @@ def estimate_memory(cfg, shape):
     sharded = cfg.parallel == "fsdp" and world > 1
     out = {**state_bytes(cfg, shape, world), **pass_bytes(cfg, shape, sharded)}
     if sharded:  # FSDP2: each rank keeps 1/world of every sharded state
-        for key in ("weights", "reference", "optimizer", "grads", "adam_step"):
+        for key in ("weights", "reference", "teacher", "optimizer", "grads", "adam_step"):
             if key in out:
                 out[key] /= world
     return {key: b / 2**30 for key, b in out.items()}
@@ -127,6 +127,8 @@ def state_bytes(cfg, shape, world):
     out = {"weights": 4 * (n + (trained if cfg.lora_rank else 0))}
     if cfg.beta > 0 and not cfg.lora_rank and not cfg.ref_offload:  # LoRA: adapters disabled (F1)
         out["reference"] = 4 * n  # prepare.build_models: from_pretrained(dtype=torch.float32)
+    if cfg.teacher and not cfg.ref_offload:  # L9: frozen in fp32 as the reference (its own shape)
+        out["teacher"] = 4 * count_params(model_shape(cfg.teacher) or shape)
     out["optimizer"] = 8 * trained  # torch.optim.AdamW: exp_avg and exp_avg_sq, fp32
     out["grads"] = 4 * trained  # loss.backward(): fp32, summed over a step's micro-batches
     if cfg.parallel == "ddp" and world > 1:  # parallel.wrap: DDP keeps flat buckets to all-reduce
@@ -184,9 +186,10 @@ def head_bytes(cfg, v, h, tokens, compute, copy):
 
 def resident_memory(est):
     """GiB the trainer holds between steps, beside the awake vLLM engine: weights, reference,
-    AdamW's moments (and DDP's buckets)."""
+    teacher, AdamW's moments (and DDP's buckets)."""
     buckets = est.get("ddp_buckets", 0.0)
-    return est["weights"] + est.get("reference", 0.0) + est["optimizer"] + buckets
+    frozen = est.get("reference", 0.0) + est.get("teacher", 0.0)
+    return est["weights"] + frozen + est["optimizer"] + buckets
 
 
 def update_peak(est):
@@ -201,6 +204,7 @@ def update_peak(est):
 MEMORY_TERMS = {  # what each term of estimate_memory counts, for the table pre-flight prints
     "weights": "fp32 master weights (model.load_policy)",
     "reference": "fp32 frozen reference (prepare.build_models)",
+    "teacher": "fp32 frozen teacher of on-policy distillation (prepare.load_teacher)",
     "optimizer": "AdamW's two fp32 moments",
     "grads": "fp32 gradients, summed over the micro-batches",
     "ddp_buckets": "DDP's flat gradient buckets",
@@ -216,8 +220,8 @@ def memory_table(cfg, est):
     tokens = cfg.micro_batch_tokens
     lines = [f"pre-flight memory (GiB a GPU), {cfg.model}, micro_batch_tokens {tokens}:"]
     lines += [f"  {key:14s}{value:7.2f}  {MEMORY_TERMS[key]}" for key, value in est.items()]
-    lines.append(f"  {'resident':14s}{resident_memory(est):7.2f}  weights + reference + optimizer "
-                 f"(+ buckets), between steps")
+    lines.append(f"  {'resident':14s}{resident_memory(est):7.2f}  weights + reference, teacher + "
+                 f"optimizer (+ buckets), between steps")
     lines.append(f"  {'update peak':14s}{update_peak(est):7.2f}  resident + grads + max(adam_step, "
                  f"weight_copies + activations + head)")
     return "\n".join(lines)

@@ -64,6 +64,7 @@ class Run:
     train: Split
     eval_sets: list  # Split per eval set: the test split first, then eval_tasks' (M2)
     state: TrainState  # the step, beta, the sampler's state: what a checkpoint saves
+    teacher: object = None  # on-policy distillation's teacher (L9), else None
     engine: object = None  # rollout.py's engine (without async_rollouts)
     engine_name: str = ""
     rollouts: object = None  # run.async_rollouts.AsyncRollouts (R8), else None
@@ -92,8 +93,9 @@ def start_run(argv):
     state = TrainState(beta=cfg.beta, run_id=f"{random.Random().getrandbits(64):016x}")
     if resume_from:
         state = load_checkpoint(resume_from, cfg, policy, ref, optimizer, prompt_sampler)
+    teacher = load_teacher(cfg, device, tokenizer) if cfg.teacher else None  # L9
     return Run(cfg, device, path, resume_from, tokenizer, policy, train_model, ref, params,
-               optimizer, prompt_sampler, train, eval_sets, state)
+               optimizer, prompt_sampler, train, eval_sets, state, teacher)
 
 
 def prepare_run(argv):
@@ -129,8 +131,9 @@ def prepare_run(argv):
         for partial in glob.glob(os.path.join(cfg.out_dir, ".tmp_ckpt_*")):  # a killed save's
             shutil.rmtree(partial, ignore_errors=True)  # (out_dir may be shared by machines)
     check_model_source(path)
-    if cfg.init_from:
-        check_model_source(cfg.init_from)
+    for other in (cfg.init_from, cfg.teacher):
+        if other and other not in BUILT_HERE:
+            check_model_source(other)
     if rank == 0:
         save_config(cfg, os.path.join(cfg.out_dir, "config.json"))
     return cfg, device, path, resume_from, task, problems, eval_tasks
@@ -168,6 +171,24 @@ def build_models(cfg, path, device, resume_from):
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas,
                                   weight_decay=cfg.weight_decay)
     return tokenizer, policy, train_model, ref, params, optimizer
+
+
+def load_teacher(cfg, device, tokenizer):
+    """L9's teacher, frozen and kept as the reference is (fp32; on the CPU between its passes with
+    ref_offload). It scores the student's token ids, so it must read them as the student does:
+    its tokenizer's vocabulary is the student's, or the run stops here."""
+    path = model_path(cfg, cfg.teacher)
+    try:
+        vocab = transformers.AutoTokenizer.from_pretrained(path).get_vocab()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"teacher={cfg.teacher!r}: its tokenizer cannot be read ({e}); a "
+                          "teacher folder needs one, the student's") from None
+    if vocab != tokenizer.get_vocab():
+        raise ConfigError(f"teacher={cfg.teacher!r} has another tokenizer ({len(vocab)} tokens, "
+                          f"the student {len(tokenizer.get_vocab())}): on-policy distillation "
+                          "scores the student's token ids, so both must share one vocabulary")
+    teacher = load_reference(path, device, cfg.ref_offload)
+    return parallel.wrap(teacher, cfg.parallel, cfg.dtype, trainable=False)
 
 
 def make_sampler(cfg, num_prompts):

@@ -423,7 +423,7 @@ def test_a_learning_rate_that_destroys_the_model_stops_the_run_saying_so(tmp_pat
 
 def test_non_finite_updates_in_a_row_stop_the_run_naming_lr(monkeypatch):
     """MAX_NONFINITE skipped updates in a row: the run stops (it went on with a broken model)."""
-    monkeypatch.setattr(grpo, "MAX_NONFINITE", 2)
+    monkeypatch.setattr(grpo.log, "MAX_NONFINITE", 2)
     cfg = config.load_config(overrides=["--lr=1e-3"])
     state = SimpleNamespace(step=7, nonfinite_in_a_row=0)
     assert grpo.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(1.0)) == 1
@@ -1210,3 +1210,34 @@ def test_the_run_ends_with_a_summary_on_the_console(tmp_path):
     assert run_summary(cfg, 4, {"eval/maj@4": 0.5, "eval/updates": 5, "loss": 1.0}, 61.4) == (
         "done: 5 steps (9 planned), 1m01s in this process\n  final eval: maj@4 0.500\n"
         "  checkpoint o/ckpt_000005 | metrics o/metrics.jsonl")
+
+
+def test_on_policy_distillation_trains_toward_a_teacher_and_refuses_another_vocabulary(tmp_path):
+    """teacher=FOLDER: its logprobs of the student's tokens once per batch (time/teacher), the
+    per-token reverse KL logged (teacher_kl); with the task reward off, the teacher's signal alone
+    moves the policy. A teacher whose tokenizer is not the student's stops the run before it
+    trains, saying so."""
+    from transformers import AutoTokenizer
+
+    from model import build_tiny
+
+    teacher = build_tiny(str(tmp_path / "teacher"), seed=7)  # the same tokenizer, other weights
+    alone = ["--reward_weights=correct:0,format:0", "--unparsed_penalty=0"]
+    grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"), f"--out_dir={tmp_path / 'a'}",
+               "--engine=hf", "--max_steps=2", "--eval_every=0", f"--teacher={teacher}", *alone])
+    metrics = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    assert all(m["reward"] == 0 and m["teacher_kl"] > 0 and m["time/teacher"] > 0
+               and m["grad_norm"] > 0 for m in metrics)
+    other = tmp_path / "other"
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    tokenizer.add_tokens(["<extra>"])
+    build_tiny(str(other), seed=7)
+    tokenizer.save_pretrained(other)
+    with pytest.raises(ConfigError, match="has another tokenizer .* share one vocabulary"):
+        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"),
+                   f"--out_dir={tmp_path / 'b'}", "--engine=hf", "--max_steps=2",
+                   f"--teacher={other}"])
+    assert not os.path.exists(tmp_path / "b" / "metrics.jsonl")
+    with pytest.raises(ConfigError, match="model folder .*nowhere not found"):
+        grpo.main(["--config", os.path.join(ROOT, "config", "tiny.py"),
+                   f"--out_dir={tmp_path / 'c'}", f"--teacher={tmp_path / 'nowhere'}"])

@@ -605,3 +605,49 @@ def test_pg_mask_drops_the_policy_gradient_but_keeps_the_kl():
     # token 2: the KL's pull only
     assert grad.tolist()[0] == pytest.approx([-0.5 + kl_grad, kl_grad])
     assert m["pg_token_frac"] == 0.5
+
+
+# ---------------------------------------------------------------- on-policy distillation (L9)
+
+
+def test_a_teacher_adds_its_per_token_say_to_the_advantage_hand_worked():
+    """Two tokens, A = 1, pi_old = (0.5, 0.25), the teacher (0.25, 0.25): the first token's
+    advantage is 1 + ln(0.25 / 0.5) = 1 - ln 2, the second's 1; the token-mean gradient is
+    -A_t / 2 per token; teacher_kl is the mean of log pi_old - log teacher, ln 2 / 2."""
+    lp = torch.tensor([[LN(0.5), LN(0.25)]], requires_grad=True)
+    teacher = torch.tensor([[LN(0.25), LN(0.25)]])
+    loss, m = grpo_loss(lp, lp.detach(), torch.ones(1), torch.ones(1, 2),
+                        teacher_logprobs=teacher)
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert loss.item() == pytest.approx(-(1 - LN(2) + 1) / 2)
+    assert grad[0].tolist() == pytest.approx([-(1 - LN(2)) / 2, -1 / 2])
+    assert m["teacher_kl"] == pytest.approx(LN(2) / 2)
+    half = grpo_loss(lp, lp.detach(), torch.ones(1), torch.ones(1, 2), teacher_logprobs=teacher,
+                     settings=LossSettings(distill_coef=0.5))[0]
+    assert half.item() == pytest.approx(-(1 - LN(2) / 2 + 1) / 2)
+    # a teacher that agrees with the student changes nothing; padding (even -inf) neither
+    same = grpo_loss(lp, lp.detach(), torch.ones(1), torch.ones(1, 2), teacher_logprobs=lp.detach())
+    plain = grpo_loss(lp, lp.detach(), torch.ones(1), torch.ones(1, 2))
+    assert same[0].item() == plain[0].item() and same[1]["teacher_kl"] == 0.0
+    padded = grpo_loss(lp, lp.detach(), torch.ones(1), torch.tensor([[1.0, 0.0]]),
+                       teacher_logprobs=torch.tensor([[LN(0.25), -math.inf]]))[0]
+    assert math.isfinite(padded.item())
+    (grad,) = torch.autograd.grad(padded, lp)
+    assert grad[0].tolist() == pytest.approx([-(1 - LN(2)), 0.0])
+
+
+def test_the_distillation_gradient_is_the_reverse_kls():
+    """Over a 5-token vocabulary, every token weighed by the probability the student samples it:
+    the expected gradient of the loss (A = 0) is the gradient of KL(pi || teacher), exactly; the
+    reverse KL, which a KL loss term on the sampled tokens would not give (k1's is 0 on-policy)."""
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
+    teacher = torch.log_softmax(torch.randn(5, generator=gen, dtype=torch.float64), 0)
+    logp = torch.log_softmax(theta, 0)
+    expected = sum(logp[y].exp().detach() * grpo_loss(
+        logp[y].view(1, 1), logp[y].detach().view(1, 1), torch.zeros(1, dtype=torch.float64),
+        torch.ones(1, 1), teacher_logprobs=teacher[y].view(1, 1))[0] for y in range(5))
+    (got,) = torch.autograd.grad(expected, theta, retain_graph=True)
+    kl = (logp.exp() * (logp - teacher)).sum()
+    (want,) = torch.autograd.grad(kl, theta)
+    assert got.tolist() == pytest.approx(want.tolist(), abs=1e-12)

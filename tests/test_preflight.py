@@ -38,6 +38,12 @@ def test_memory_estimate_hand_worked():
     assert "reference" not in est  # beta = 0: no reference model (L4)
     with_ref = estimate_memory(load_config(overrides=["--beta=0.001"]), memory.SHAPES["tiny"])
     assert with_ref["reference"] * gib == 4 * n  # fp32, as prepare.build_models loads it
+    # L9: a teacher is held as the reference is, in its own shape (tiny's)
+    taught = estimate_memory(load_config(overrides=["--teacher=tiny"]), memory.SHAPES["tiny"])
+    assert taught["teacher"] * gib == 4 * n
+    assert "teacher" not in estimate_memory(load_config(overrides=["--teacher=tiny",
+                                                                   "--ref_offload=true"]),
+                                            memory.SHAPES["tiny"])
     ckpt_cfg = load_config(overrides=["--micro_batch_tokens=2048", "--dtype=float32", "--beta=0",
                                       "--gradient_checkpointing=true"])
     ckpt = estimate_memory(ckpt_cfg, memory.SHAPES["tiny"])
