@@ -64,7 +64,7 @@ class Config:
     unparsed_penalty: float = -0.2  # W2: added to no well-formed answer (larger, -0.5); 0 = off
     length_soft_limit: int = 0  # W3: past this many completion tokens, -0.05 per 32 begun; 0 = off
     length_min: int = 0  # W3: completions shorter than this many tokens score 0; 0 = off
-    length_reward: float = 0.0  # W7: times Kimi k1.5's length reward (short right answers); 0 = off
+    length_reward: float = 0.0  # W3: times Kimi k1.5's length reward (short right answers); 0 = off
     # "correct": a right answer (code: the share of tests passed), weight 1; "format": the
     # <think>..</think><answer>..</answer> layout, 0.1; a task's own: its WEIGHTS, else 1
     reward_weights: str = ""  # W2: "name:weight,..." of the reward's components (TRL's, by name)

@@ -126,7 +126,7 @@ def generate_and_score(engine, train, idx, seeds, cfg, temperature):
     # a failed call costs a little: the model learns to write code that runs
     if cfg.tool_error_penalty:
         rewards = rewards - cfg.tool_error_penalty * tool_errors
-    if cfg.length_reward:  # W7, Kimi k1.5: within the group, shorter right answers earn more
+    if cfg.length_reward:  # W3, Kimi k1.5: within the group, shorter right answers earn more
         components["length_reward"] = length_rewards(torch.tensor(lengths), components.get(
             "correct", torch.zeros(len(lengths))), cfg.group_size) * (1 - components["errors"])
         rewards = rewards + cfg.length_reward * components["length_reward"]

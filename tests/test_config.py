@@ -41,7 +41,7 @@ def test_every_setting_has_a_comment():
 
 def test_every_technique_setting_names_its_spec_id():
     # the techniques that live in config, advantage and loss
-    for tech in ["D1", "D2", "W2", "W3", "W7", "R1", "R3", "R4", "A1", "A2", "A3", "A5", "A6", "L1",
+    for tech in ["D1", "D2", "W2", "W3", "R1", "R3", "R4", "A1", "A2", "A3", "A5", "A6", "L1",
                  "L2", "L4", "L5", "L7", "L8", "L9", "F2", "O1", "O2", "O3", "O5"]:
         assert f"{tech}:" in inspect.getsource(Config), tech
 

@@ -748,7 +748,7 @@ def test_each_loss_and_advantage_variant_trains_and_shows_its_effect(tmp_path, p
         assert names == ["correct", "format", "shaping"]
         want = component_advantages(terms, weights, 4).tolist()
         assert [s["advantage"] for s in rows] == pytest.approx(want, abs=1e-5)
-    elif name == "length_reward":  # W7: its own component, half of it in the reward
+    elif name == "length_reward":  # W3: its own component, half of it in the reward
         from rewards import length_rewards
 
         for g in groups:

@@ -499,7 +499,7 @@ def test_after_tool_outputs_keeps_only_the_models_text_after_the_last_output():
     assert math_reward("<answer>42</answer>" + out + "41", "42", True)["correct"] == 1.0
 
 
-# ---------------------------------------------------------------- group-level terms (W7, A6)
+# ---------------------------------------------------------------- group-level terms (W3, A6)
 
 
 def naive_length_rewards(lengths, correct, G):
