@@ -28,6 +28,7 @@ class Config:
 
     # ---- run ----
     model: str = "smollm2-135m"  # HF name or folder; default: SmolLM2-135M-Instruct; "tiny": tests
+    chat_template: str = ""  # a Jinja file in place of the tokenizer's chat template; "" = its own
     out_dir: str = "out/default"  # metrics, samples and checkpoints go here
     seed: int = 1337  # one seed for data order, sampling and init (D3)
     max_steps: int = 30  # training steps, a batch each; also the length of the LR schedule (O1)
@@ -195,9 +196,8 @@ PARITY_WARN = {"float32": 1e-3, "bfloat16": 0.1}
 REWARD_KEYS = ("wrong_penalty", "unparsed_penalty", "length_soft_limit", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
 RENAMED = {"eval_k": ("eval_n", "samples per eval problem, for avg@n, pass@k and maj@n")}
-# settings deleted (dev/LOG.md says why): (the default they had, what to write instead). The
-# default is what the code does now (is_seq_cap's: is_cap's); a checkpoint saved with another value
-# is checked on resume (checkpoint.changed_settings)
+# settings deleted (dev/LOG.md says why): (the default they had, what the code does now, what to
+# write instead); a checkpoint saved with another value is checked on resume (changed_settings)
 DELETED = {
     "drop_zero_std_groups": (False, "DAPO's filter without its refill is --dynamic_sampling=true "
                                     "--dynamic_sampling_rounds=0"),
@@ -216,9 +216,8 @@ DELETED = {
     "correct_weight": (1.0, "the correct weight is --reward_weights=correct:W (default 1)"),
     "max_nonfinite": (5, "a run stops after 5 skipped updates in a row (log.MAX_NONFINITE)"),
     "push_bucket_mb": (256, "weights go to vLLM in 256 MB buckets (push_weights_iter's bucket_mb)"),
-    "wandb_project": ("", "--report_to=wandb logs to wandb, the project named by the WANDB_PROJECT "
-                          "environment variable (as under TRL), else 'grpo'; set it to the old "
-                          "wandb_project to go on with a resumed run's wandb run"),
+    "wandb_project": ("", "--report_to=wandb logs to the project WANDB_PROJECT names (as TRL), "
+                          "else 'grpo'; set it to go on with a resumed run's wandb run"),
     "tensorboard": (False, "--report_to=tensorboard writes its events to out_dir/tb"),
     "device_memory_gb": (0.0, "python -m infra.preflight --config X --device_memory_gb=80"),
     "curriculum_bands": ((0.2, 0.8), "the curriculum's buckets are hard below a pass rate of 0.2 "
@@ -226,9 +225,8 @@ DELETED = {
                                      "hard_below, easy_above)"),
     "curriculum_hard_below": (0.2, "the curriculum's hard bucket is below a pass rate of 0.2"),
     "curriculum_easy_above": (0.8, "the curriculum's easy bucket is above a pass rate of 0.8"),
-    "is_mode": ("truncate", "is_correction names the level and what is done past the cap, as "
-                            "TRL's vllm_importance_sampling_mode: token_truncate, token_mask, "
-                            "sequence_truncate or sequence_mask"),
+    "is_mode": ("truncate", "is_correction names the level and the action past the cap, as TRL's "
+                            "vllm_importance_sampling_mode: token_truncate, ..., sequence_mask"),
 }
 # deleted settings one tuple holds now, (first, second): an older run's values move there (upgrade)
 MERGED = {"kl_band": ("kl_low", "kl_high"),
@@ -576,6 +574,8 @@ def check_values(cfg):
         items = value if isinstance(value, tuple) else (value,)
         need(not f.init or all(not isinstance(v, float) or math.isfinite(v) for v in items),
              f"{f.name}={value} must be a finite number (default {f.default})")
+    need(not cfg.chat_template or os.path.isfile(cfg.chat_template), f"chat_template="
+         f"{cfg.chat_template!r} is not a file; name a Jinja file, e.g. config/tools_chatml.jinja")
     for name in ("seed", "data_seed"):  # vLLM keeps its seed as an int64, torch as a uint64
         need(0 <= getattr(cfg, name) < 2**63, f"{name}={getattr(cfg, name)} must be in 0..2**63-1")
     for name in ("max_steps", "max_prompt_len", "max_completion_len", "num_iterations",

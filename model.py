@@ -25,12 +25,25 @@ def model_path(cfg, name=None):
     return name
 
 
-def load_policy(cfg, path, device, adapter=None):
-    """(tokenizer, policy) in fp32 on `device`; LoRA-wrapped when cfg.lora_rank > 0 (O5)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(cfg, path):
+    """The model's tokenizer, with chat_template's Jinja file in place of its own template (saved
+    with every checkpoint) and a pad token (its EOS where it has none)."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if cfg.chat_template:
+        with open(cfg.chat_template) as f:
+            tokenizer.chat_template = f.read()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(cfg, path, device, adapter=None):
+    """(tokenizer, policy) in fp32 on `device`; LoRA-wrapped when cfg.lora_rank > 0 (O5)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(cfg, path)
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     disable_dropout(policy)
     sdpa_off_cudnn(device)

@@ -272,12 +272,10 @@ def sampler_main(items, path, device, ring, tags, layout, conn, first, sampler_s
 
 
 def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_state, phases):
-    from transformers import AutoTokenizer
-
     from config import Config, derive
     from episodes.task import load_problems, load_task, tokenize_prompts
     from infra.model_files import auto_engine
-    from model import load_policy
+    from model import load_policy, load_tokenizer
     from run.evals import evaluate_all, evaluate_in_run, load_eval_tasks
     from run.prepare import Split, eval_split, make_engine, make_sampler
     from scoring import sandbox
@@ -289,8 +287,7 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
         cores = [int(c) for c in os.environ["GRPO_SAMPLER_CORES"].split(",")]
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
-    tokenizer, model = AutoTokenizer.from_pretrained(path), None
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # as load_policy does
+    tokenizer, model = load_tokenizer(cfg, path), None  # as load_policy loads it
     if (auto_engine() if cfg.engine == "auto" else cfg.engine) == "hf":  # its own policy copy
         plain = Config(**{**items, "lora_rank": 0, "gradient_checkpointing": False})
         tokenizer, model = load_policy(derive(plain), path, device)  # LoRA comes pushed merged

