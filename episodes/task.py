@@ -50,6 +50,9 @@ and may define:
     TOOLS = [fn, ...]               functions the model calls through its chat template's tool
                                     calls, their results coming back as tool messages;
                                     turns.py
+    environment_factory = MyEnv     a TRL environment class, as GRPOTrainer takes it: an instance
+                                    per rollout, reset(**problem), its methods the tools,
+                                    get_reward() a component named after it (tools.TRLEnvironments)
 
 Instead of reward(), a task file may give TRL's reward functions, which then work unchanged:
 
@@ -86,6 +89,7 @@ from dataclasses import dataclass, field
 
 from config import Config, ConfigError, builtin_tasks, task_path
 from data.files import is_data_path, load_rows
+from episodes.tools import TRLEnvironments
 from episodes.tools import python as run_code_tool
 from rewards import reward_terms, score_batch
 from scoring import execute
@@ -164,6 +168,15 @@ def load_task(cfg):
     data_path = cfg.data_path or (cfg.task if is_data_path(cfg.task) else "")
     trl = hasattr(module, "reward_funcs")
     environment = getattr(module, "environment", None)
+    factory = getattr(module, "environment_factory", None)  # a TRL environment class
+    if factory is not None:
+        if environment is not None or not callable(factory):
+            raise ConfigError(f"task file {path}: environment_factory must be a class (or a "
+                              "function of no argument making an instance), without environment")
+        environment = TRLEnvironments(factory, f"task file {path}", cfg.env_reward == "sum")
+        if not (environment.rewarded or trl or hasattr(module, "reward")):
+            raise ConfigError(f"task file {path}: no reward: give {environment.name} a "
+                              "get_reward(), or the file reward() or reward_funcs")
     if environment is not None and not (callable(environment) and binds(environment, 1)):
         raise ConfigError(f"task file {path}: environment must be a function environment(problem) "
                           "returning an object with reset() and step(action) (turns.py)")
@@ -214,6 +227,8 @@ def load_task(cfg):
     if environment and extras["tools"]:
         raise ConfigError(f"task file {path}: an environment and TOOLS both; give the tools as "
                           "the environment's own (its step() runs them)")
+    if factory is not None:  # its methods are the tools, rendered as TOOLS' are
+        extras["tools"] = environment.tools
     if (environment or extras["tools"]) and cfg.tools:
         raise ConfigError(f"task file {path} has its own turns (environment or TOOLS); tools=True "
                           "adds the text protocol's: leave tools off")

@@ -21,9 +21,11 @@ the tool raised, the code raised) gets its error as its result, is counted in to
 the episode goes on.
 """
 
+import inspect
 import json
 import re
 
+from config import ConfigError
 from scoring.execute import run_python
 
 # ---------------------------------------------------------------- TOOLS: chat-template calls
@@ -93,6 +95,67 @@ class ToolCalls:
                 result = json.dumps({"error": f"{type(e).__name__}: {e}"})
             results.append({"role": "tool", "name": name or "unknown", "content": result})
         return results, {}, False
+
+
+# ---------------------------------------------------------------- a TRL environment class
+
+
+def tool_methods(instance):
+    """The tools of a TRL environment instance, as TRL's GRPOTrainer lists them: every public
+    method of its class but reset and get_reward, bound to the instance."""
+    return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance),
+                                                                        inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+class TRLEnvironments:
+    """A task file's `environment_factory = MyEnv` (TRL 1.16's GRPOTrainer contract) as its
+    environment(problem): one instance per rollout; reset(**problem) gets the problem's fields and
+    returns None or text that ends the last user message; its public methods are TOOLS (schemas
+    from their type hints and docstrings, as transformers makes them); get_reward(), if defined,
+    scores the rollout once it ends, a reward component named after the class (weight 1).
+    `tools`: a probe instance's, for the prompt's tool schemas (the same for every instance)."""
+
+    def __init__(self, factory, where, summed=True):
+        probe = factory()
+        self.factory, self.summed, self.tools = factory, summed, tool_methods(probe)
+        self.name = type(probe).__name__
+        self.rewarded = callable(getattr(type(probe), "get_reward", None))
+        if not callable(getattr(type(probe), "reset", None)):
+            raise ConfigError(f"{where}: environment_factory's {self.name} defines no reset(), "
+                              "which TRL requires: reset(self, **kwargs) -> None or text")
+        if self.rewarded and inspect.iscoroutinefunction(type(probe).get_reward):
+            raise ConfigError(f"{where}: {self.name}.get_reward is async; make it a plain method")
+
+    def __call__(self, problem):
+        return TRLEpisode(self, self.factory(), problem)
+
+
+class TRLEpisode:
+    """One rollout's instance: each turn's tool calls run on its methods (ToolCalls); get_reward()
+    after each turn, its change since the last one reported, so that the turns' rewards summed
+    (env_reward="sum") are its value when the rollout ends, as TRL scores it ("last": the value)."""
+
+    def __init__(self, environments, instance, problem):
+        self.environments, self.instance, self.problem = environments, instance, problem
+        self.calls, self.paid = ToolCalls(tool_methods(instance)), 0.0
+
+    @property
+    def errors(self):
+        return self.calls.errors
+
+    def reset(self):
+        self.paid = 0.0
+        return self.instance.reset(**self.problem)
+
+    def step(self, action):
+        observation, rewards, done = self.calls.step(action)
+        if self.environments.rewarded:
+            value = float(self.instance.get_reward())
+            rewards = {self.environments.name: value - self.paid if self.environments.summed
+                       else value}
+            self.paid = value
+        return observation, rewards, done
 
 
 # ---------------------------------------------------------------- tools=True: calls in the text
