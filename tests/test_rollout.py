@@ -340,8 +340,17 @@ def test_tool_turns_stop_at_the_tasks_strings_and_at_the_close_tag_while_a_call_
             return [[Completion(p, [len(t)], t, [0.0], False, e)]
                     for p, t, e in zip(prompts, texts, ends)]
 
-    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "x</python>",
-                                encode=lambda text, add_special_tokens=False: [9])
+    class Tokenizer:  # every text one token, 9: the frame's (tools.plain_ids calls it)
+        def __call__(self, text, **kwargs):
+            return SimpleNamespace(input_ids=[9])
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "x</python>"
+
+        def encode(self, text, add_special_tokens=False):
+            return [9]
+
+    tokenizer = Tokenizer()
     scripted = TextTools(lambda code: ("out", True), 1)
     engine = EpisodeEngine(Scripted(), tokenizer, text_tools=scripted)
     groups = engine.generate([[1], [2]], 1, seeds=[0, 1], max_tokens=24, stop=["</answer>"],
