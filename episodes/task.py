@@ -173,7 +173,8 @@ def load_task(cfg):
         if environment is not None or not callable(factory):
             raise ConfigError(f"task file {path}: environment_factory must be a class (or a "
                               "function of no argument making an instance), without environment")
-        environment = TRLEnvironments(factory, f"task file {path}", cfg.env_reward == "sum")
+        environment = TRLEnvironments(factory, f"task file {path}", cfg.env_reward == "sum",
+                                      getattr(module, "prompt", None))
         if not (environment.rewarded or trl or hasattr(module, "reward")):
             raise ConfigError(f"task file {path}: no reward: give {environment.name} a "
                               "get_reward(), or the file reward() or reward_funcs")

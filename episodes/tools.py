@@ -110,15 +110,17 @@ def tool_methods(instance):
 
 class TRLEnvironments:
     """A task file's `environment_factory = MyEnv` (TRL 1.16's GRPOTrainer contract) as its
-    environment(problem): one instance per rollout; reset(**problem) gets the problem's fields and
-    returns None or text that ends the last user message; its public methods are TOOLS (schemas
-    from their type hints and docstrings, as transformers makes them); get_reward(), if defined,
-    scores the rollout once it ends, a reward component named after the class (weight 1).
-    `tools`: a probe instance's, for the prompt's tool schemas (the same for every instance)."""
+    environment(problem): one instance per rollout; reset(**row) gets the problem's fields and its
+    "prompt" (TRL's dataset row) and returns None or text that ends the last user message; its
+    public methods are TOOLS (schemas from their type hints and docstrings, as transformers makes
+    them); get_reward(), if defined, scores the rollout once it ends, a reward component named
+    after the class (weight 1). `tools`: a probe instance's, for the prompt's tool schemas (the same
+    for every instance)."""
 
-    def __init__(self, factory, where, summed=True):
+    def __init__(self, factory, where, summed=True, prompt=None):
         probe = factory()
         self.factory, self.summed, self.tools = factory, summed, tool_methods(probe)
+        self.prompt = prompt  # the task's prompt(problem): TRL's row has it as "prompt"
         self.name = type(probe).__name__
         self.rewarded = callable(getattr(type(probe), "get_reward", None))
         if not callable(getattr(type(probe), "reset", None)):
@@ -145,8 +147,11 @@ class TRLEpisode:
         return self.calls.errors
 
     def reset(self):
+        """reset(**row) as TRL calls it, the row being the problem and its "prompt"."""
         self.paid = 0.0
-        return self.instance.reset(**self.problem)
+        prompt = self.environments.prompt
+        row = {"prompt": prompt(self.problem), **self.problem} if prompt else self.problem
+        return self.instance.reset(**row)
 
     def step(self, action):
         observation, rewards, done = self.calls.step(action)

@@ -31,7 +31,8 @@ def prompt(problem):
 
 
 class Counter:
-    def reset(self, **kwargs):
+    def reset(self, **kwargs):  # the dataset row: its "prompt" and the rest
+        assert kwargs["prompt"] == [{"role": "user", "content": "Count to 3."}]
         self.n = kwargs["start"]
         return f" Start at {kwargs['start']}."
 
