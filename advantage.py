@@ -139,7 +139,7 @@ def pass_k_advantages(rewards, group_size, k):
         n = len(scored)
         r, order = row[scored].double().sort()  # ascending
         # fewer than k below the best: every k-subset holds a best one, all score the same
-        if (r < r[-1]).sum() < k:
+        if n == 0 or (r < r[-1]).sum() < k:
             continue
         best = torch.tensor([comb(j, k - 1) for j in range(n)], dtype=torch.float64) / comb(n, k)
         mu = (best * r).sum()

@@ -353,6 +353,7 @@ def test_pass_k_1_is_the_z_score_and_unscored_rows_are_left_out():
     assert with_nan.tolist() == pytest.approx([1, 0, -1 / 3, -1 / 3, -1 / 3])
     # at most k scored: every subset is the whole group
     assert pass_k_advantages(torch.tensor([1.0, math.nan, math.nan, 0]), 4, 2).tolist() == [0] * 4
+    assert pass_k_advantages(torch.full((4,), math.nan), 4, 2).tolist() == [0] * 4  # none scored
 
 
 def test_adv_pass_k_is_group_advantages_switch_and_clip_still_applies():
