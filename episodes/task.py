@@ -393,7 +393,9 @@ def render(tokenizer, task, p, problem=None):
     if tools and (tokenizer.apply_chat_template(p, tokenize=False, **tools)
                   == tokenizer.apply_chat_template(p, tokenize=False)):
         raise ConfigError(f"{task.where}: this model's chat template does not render tools, so "
-                          "TOOLS cannot reach the model; use tools=True's text protocol instead")
+                          "TOOLS cannot reach the model; give it one that does (ChatML models: "
+                          "--chat_template=config/tools_chatml.jinja), or use tools=True's text "
+                          "protocol instead")
     if task.completion_prefix:  # the assistant's turn opened and begun, not closed
         opened = {"role": "assistant", "content": task.completion_prefix}
         return tokenizer.apply_chat_template([*p, opened], continue_final_message=True,
