@@ -426,10 +426,10 @@ def test_non_finite_updates_in_a_row_stop_the_run_naming_lr(monkeypatch):
     monkeypatch.setattr(grpo.log, "MAX_NONFINITE", 2)
     cfg = config.load_config(overrides=["--lr=1e-3"])
     state = SimpleNamespace(step=7, nonfinite_in_a_row=0)
-    assert grpo.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(1.0)) == 1
+    assert grpo.log.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(1.0)) == 1
     with pytest.raises(log.Diverged, match=r"step 7: 2 non-finite updates in a row: .* lr=0.001"):
-        grpo.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(float("inf")))
-    assert grpo.count_nonfinite(True, state, cfg, 0.5, torch.tensor(1.0)) == 0
+        grpo.log.count_nonfinite(False, state, cfg, float("nan"), torch.tensor(float("inf")))
+    assert grpo.log.count_nonfinite(True, state, cfg, 0.5, torch.tensor(1.0)) == 0
     assert state.nonfinite_in_a_row == 0
 
 
