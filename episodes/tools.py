@@ -133,18 +133,15 @@ class TRLEnvironments:
         return TRLEpisode(self, self.factory(), problem)
 
 
-class TRLEpisode:
+class TRLEpisode(ToolCalls):
     """One rollout's instance: each turn's tool calls run on its methods (ToolCalls); get_reward()
     after each turn, its change since the last one reported, so that the turns' rewards summed
     (env_reward="sum") are its value when the rollout ends, as TRL scores it ("last": the value)."""
 
     def __init__(self, environments, instance, problem):
+        super().__init__(tool_methods(instance))
         self.environments, self.instance, self.problem = environments, instance, problem
-        self.calls, self.paid = ToolCalls(tool_methods(instance)), 0.0
-
-    @property
-    def errors(self):
-        return self.calls.errors
+        self.paid = 0.0
 
     def reset(self):
         """reset(**row) as TRL calls it, the row being the problem and its "prompt"."""
@@ -154,7 +151,7 @@ class TRLEpisode:
         return self.instance.reset(**row)
 
     def step(self, action):
-        observation, rewards, done = self.calls.step(action)
+        observation, rewards, done = super().step(action)
         if self.environments.rewarded:
             value = float(self.instance.get_reward())
             rewards = {self.environments.name: value - self.paid if self.environments.summed

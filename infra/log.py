@@ -299,24 +299,20 @@ def end_step(cfg, step, metrics, t_step, final_eval, logger, save):
     return time.perf_counter() - t0
 
 
-SUMMARY_KEYS = ("pass@1_greedy", "avg@", "pass@", "maj@", "parsed", "format", "response_length")
-
-
 def run_summary(cfg, step, metrics, seconds):
     """The console's last lines: steps and wall time, the final eval of each eval set (its greedy
-    pass@1, avg@n, pass@k, maj@n, parsed), where the checkpoint and metrics.jsonl are."""
+    pass@1, avg@n, pass@n, maj@n, parsed), where the checkpoint and metrics.jsonl are."""
     minutes, secs = divmod(round(seconds), 60)
     lines = [f"done: {step + 1} steps ({cfg.max_steps} planned), {minutes}m{secs:02d}s in this "
              "process"]
+    n = cfg.eval_n  # pass@k at k = n only, as avg@n and maj@n are
+    shown = ("pass@1_greedy", f"avg@{n}", f"pass@{n}", f"maj@{n}", "format", "parsed",
+             "response_length")
     sets = {}  # "" (the training task's test split) or an eval set's name -> its final metrics
-    pass_n = f"pass@{cfg.eval_n}"
     for key, value in metrics.items():
-        if key.startswith("eval/") and key != "eval/updates":
-            name, _, metric = key[5:].rpartition("/")
-            # pass@k at k = eval_n only, as avg@n and maj@n are
-            other_k = metric.startswith("pass@") and metric not in ("pass@1_greedy", pass_n)
-            if metric.startswith(SUMMARY_KEYS) and not other_k and isinstance(value, (int, float)):
-                sets.setdefault(name, []).append(f"{metric} {value:.3f}")
+        name, _, metric = key.removeprefix("eval/").rpartition("/")
+        if key.startswith("eval/") and metric in shown and isinstance(value, (int, float)):
+            sets.setdefault(name, []).append(f"{metric} {value:.3f}")
     for name, figures in sets.items():
         lines.append(f"  final eval{' ' + name if name else ''}: " + " | ".join(figures))
     where = os.path.join(cfg.out_dir, f"ckpt_{step + 1:06d}")
