@@ -5,8 +5,6 @@ first, then `--key=value` overrides from the command line; both are checked agai
 below and the task file's own settings, its OPTIONS (unknown names fail and suggest the closest
 one; values are parsed to the default's type).
 
-    python -m infra.preflight --config config/countdown_3b.py --lr=1e-6  # the config + pre-flight
-
 This file imports nothing from the project: every module reads its settings from here. The checks
 that need other modules (the task file, the model's shape, the memory estimate) run in pre-flight.
 """
@@ -50,6 +48,7 @@ class Config:
 
     # ---- task and data (D1-D3) ----
     task: str = "math"  # D1: tasks/'s (math, countdown, code, ...), a .py file or a data file
+    # D4: a weighted mixture, "math:0.7,countdown:0.3" (a run file's dict too), each its own task
     data_path: str = ""  # D1: problems from .jsonl/.parquet/.csv, a datasets folder, or a hub name
     data_name: str = ""  # D1: the hub dataset's config name (GSM8K: "main"); "" = its default
     data_columns: str = ""  # D1: rename columns "old:new,...", e.g. "question:prompt"; "" = none
@@ -66,8 +65,7 @@ class Config:
     length_soft_limit: int = 0  # W3: past this many completion tokens, -0.05 per 32 begun; 0 = off
     length_min: int = 0  # W3: completions shorter than this many tokens score 0; 0 = off
     length_reward: float = 0.0  # W3: times Kimi k1.5's length reward (short right answers); 0 = off
-    # "correct": a right answer (code: the share of tests passed), weight 1; "format": the
-    # <think>..</think><answer>..</answer> layout, 0.1; a task's own: its WEIGHTS, else 1
+    # "correct" (a right answer; code: tests passed) weighs 1, "format" 0.1, a task's own WEIGHTS
     reward_weights: str = ""  # W2: "name:weight,..." of the reward's components (TRL's, by name)
     reward_timeout: float = 10.0  # seconds a reward may run, else 0 (reward/errors); 0 = no limit
     reward_workers: int = 0  # score in N child processes (code rewards wait on sandboxes); 0 = one
@@ -95,8 +93,7 @@ class Config:
     gpu_memory_utilization: float = 0.4  # R1: vLLM's share of the GPU (0.3-0.5)
     vllm_cpu_kv_cache_gb: int = 1  # R1: KV cache of vLLM on a CPU (VLLM_CPU_KVCACHE_SPACE), GiB
     vllm_sleep_level: int = 2  # R1: GPU sleep: 1 offloads weights to CPU, 2 drops them; 0 = none
-    # R2: weight pi_old / q (q: the sampler's) per token or per completion; a weight past the cap
-    # is cut to it ("truncate", TIS) or dropped ("mask"). The names are TRL's IS modes'
+    # R2: pi_old / q (q: the sampler's) past the cap cut to it ("truncate", TIS) or dropped ("mask")
     is_correction: str = "off"  # R2: "token_truncate" | "token_mask" | "sequence_*" | "off"
     is_cap: float = 2.0  # R2: cap on rho, a token's or a completion's (TRL's clip_max: 3 for both)
     is_floor: float = 0.0  # R2, R8: the band's floor: below it raised (truncate) or out; 0 = none
@@ -108,12 +105,10 @@ class Config:
     tools: bool = False  # a completion may run Python; its output comes back; False = one turn
     max_tool_calls: int = 2  # tool calls per completion; the turn after the last may not call
     # a tools=True call past it is killed (an error the model reads); an environment's reset or
-    # step, or a TOOLS turn's calls together, past it end the episode (scoring 0). A run has one
-    # kind of turns or the other, never both
+    # step, or a TOOLS turn's calls together, past it end the episode (scoring 0)
     tool_timeout: float = 5.0  # seconds one call may run: tools=True's, or a task's environment's
     tool_output_chars: int = 500  # every tool or environment result is cut to this many characters
-    # a call is the code between the two; generation stops at the second. A ```python block:
-    # ("```python\n", "\n```\n")
+    # a call is the code between the two; generation stops at the second ("```python\n", "\n```\n")
     tool_tags: tuple = ("<python>", "</python>")  # a tool call's open and close tags
     tool_error_penalty: float = 0.0  # minus this per failed call (raised, timeout, killed); 0 = off
     sandbox: str = "full"  # the weakest sandbox accepted (scoring/sandbox.py), else no run
@@ -145,8 +140,7 @@ class Config:
     num_iterations: int = 1  # L7: epochs over a batch (TRL num_iterations); 1 = on-policy, ratio 1
     mini_batches: int = 1  # L7: steps an epoch on 1/N of the groups each (TRL steps_per_generation)
     entropy_top_quantile: float = 0.0  # L5: PG on this top share of tokens by entropy only; 0 = off
-    # L9: on-policy distillation: each sampled token's advantage + distill_coef x log(p_teacher /
-    # p_student), a reverse KL; --reward_weights=correct:0,format:0 --unparsed_penalty=0: that alone
+    # L9: each sampled token's advantage + distill_coef x log(p_teacher / p_student), a reverse KL
     teacher: str = ""  # L9: the teacher, a model as `model` is (a ckpt_* folder too); "" = off
     distill_coef: float = 1.0  # L9: the weight of the teacher's per-token signal
 
@@ -164,8 +158,7 @@ class Config:
     warmup_steps: int = 5  # O1: warm-up steps (linear; 20-50 for long runs), then cosine decay
     min_lr_ratio: float = 0.1  # O1: the cosine's floor, a share of lr; 1.0 = constant after warm-up
     weight_decay: float = 0.0  # AdamW weight decay
-    # beta2 0.99, not 0.999 (torch, TRL, verl): RL gradients shrink as groups saturate; 0.99 follows
-    # their scale over ~100 steps, not ~1,000 (OpenRLHF, DeepSeek: 0.95); in 30 steps, alike
+    # beta2 0.99, not 0.999: RL gradients shrink as groups saturate (OpenRLHF, DeepSeek: 0.95)
     adam_betas: tuple = (0.9, 0.99)  # AdamW betas (beta1, beta2)
     grad_clip: float = 1.0  # O2: clip the global grad norm to this; 0 = off
     dtype: str = "auto"  # O5: "bfloat16" | "float32" | "auto": bf16 on GPU and on a CPU with bf16
@@ -187,46 +180,36 @@ class Config:
     task_options: dict = field(default_factory=dict, init=False)  # {name: value}, all its OPTIONS
 
 
-# R2: the mean |sampler - trainer| logprob gap above which a run warns, by compute dtype. fp32 sides
-# agree to ~1e-6 on the same weights: 1e-3 is a real fault. bf16 ones differ by rounding alone
-# (vLLM's residual stream is bf16, autocast's fp32), ~0.03 on the default model at temperature 0.7:
-# the bound sits above that, below a temperature mismatch or weights several steps stale.
+# R2: the mean |sampler - trainer| logprob gap above which a run warns, by compute dtype: fp32 sides
+# agree to ~1e-6; bf16 ones differ by rounding alone, ~0.03 (vLLM's residual stream is bf16)
 PARITY_WARN = {"float32": 1e-3, "bfloat16": 0.1}
 
 REWARD_KEYS = ("wrong_penalty", "unparsed_penalty", "length_soft_limit", "length_min")
 DERIVED = {f.name for f in dataclasses.fields(Config) if not f.init}
 RENAMED = {"eval_k": ("eval_n", "samples per eval problem, for avg@n, pass@k and maj@n")}
-# settings deleted (dev/LOG.md says why): (the default they had, what the code does now, what to
-# write instead); a checkpoint saved with another value is checked on resume (changed_settings)
+# settings deleted (dev/LOG.md says why): (their default, what to write now); checked on resume
 DELETED = {
-    "drop_zero_std_groups": (False, "DAPO's filter without its refill is --dynamic_sampling=true "
-                                    "--dynamic_sampling_rounds=0"),
-    "is_seq_cap": (3.0, "is_cap caps rho at either is_correction level, as TRL's clip_max and "
-                        "verl's rollout_is_threshold (their default 3 at the sequence level)"),
+    "drop_zero_std_groups": (False, "--dynamic_sampling=true --dynamic_sampling_rounds=0"),
+    "is_seq_cap": (3.0, "is_cap caps rho at either is_correction level, as TRL's clip_max"),
     "cpu_keep_memory": (True, "freed memory always stays in the process on a CPU (perf/cpu.py)"),
     "kl_up": (1.2, "adaptive KL multiplies beta by 1.2 (loss.adaptive_kl_beta's `up`)"),
     "kl_down": (0.8, "adaptive KL multiplies beta by 0.8 (loss.adaptive_kl_beta's `down`)"),
-    "parity_warn": (0.0, "the sampler-trainer gap warns above a bound by compute dtype, "
-                         "config.PARITY_WARN (1e-3 in fp32, 0.1 in bf16)"),
+    "parity_warn": (0.0, "the sampler gap warns above config.PARITY_WARN (by compute dtype)"),
     "length_penalty_tokens": (32, "length shaping takes 0.05 per 32 tokens (shape_reward's)"),
-    "length_penalty": (0.05, "length shaping takes 0.05 per 32 tokens past length_soft_limit"),
+    "length_penalty": (0.05, "shaping takes 0.05 per 32 tokens past length_soft_limit"),
     "env_timeout": (5.0, "tool_timeout is an environment's (or TOOLS') call's deadline too"),
     "adv_std_floor": (1e-4, "the std is floored at 1e-4 (advantage.STD_FLOOR); TRL adds 1e-4"),
     "format_weight": (0.1, "the format weight is --reward_weights=format:W (default 0.1)"),
     "correct_weight": (1.0, "the correct weight is --reward_weights=correct:W (default 1)"),
     "max_nonfinite": (5, "a run stops after 5 skipped updates in a row (log.MAX_NONFINITE)"),
     "push_bucket_mb": (256, "weights go to vLLM in 256 MB buckets (push_weights_iter's bucket_mb)"),
-    "wandb_project": ("", "--report_to=wandb logs to the project WANDB_PROJECT names (as TRL), "
-                          "else 'grpo'; set it to go on with a resumed run's wandb run"),
+    "wandb_project": ("", "--report_to=wandb logs to the project WANDB_PROJECT names, or 'grpo'"),
     "tensorboard": (False, "--report_to=tensorboard writes its events to out_dir/tb"),
     "device_memory_gb": (0.0, "python -m infra.preflight --config X --device_memory_gb=80"),
-    "curriculum_bands": ((0.2, 0.8), "the curriculum's buckets are hard below a pass rate of 0.2 "
-                                     "and easy above 0.8 (data/sampler.CurriculumSampler's "
-                                     "hard_below, easy_above)"),
+    "curriculum_bands": ((0.2, 0.8), "curriculum: hard below pass rate 0.2, easy above 0.8"),
     "curriculum_hard_below": (0.2, "the curriculum's hard bucket is below a pass rate of 0.2"),
     "curriculum_easy_above": (0.8, "the curriculum's easy bucket is above a pass rate of 0.8"),
-    "is_mode": ("truncate", "is_correction names the level and the action past the cap, as TRL's "
-                            "vllm_importance_sampling_mode: token_truncate, ..., sequence_mask"),
+    "is_mode": ("truncate", "is_correction names level and action: token_truncate, ..."),
 }
 # deleted settings one tuple holds now, (first, second): an older run's values move there (upgrade)
 MERGED = {"kl_band": ("kl_low", "kl_high"),
@@ -244,10 +227,8 @@ CHOICES = {
     "device": ("auto", "cuda", "cpu"), "vllm_sleep_level": (0, 1, 2),
     "is_correction": ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
     "parallel": ("fsdp", "ddp"), "sandbox": ("full", "namespaces", "none"),
-    "old_logprobs": ("recompute", "sampler"),
-}
-# R4/R5: vLLM raises any temperature below this to it (lower ones give nan or inf), so the sampler
-# and the trainer would divide the logits by different temperatures
+    "old_logprobs": ("recompute", "sampler")}
+# R4/R5: vLLM raises any temperature below this to it (lower ones give nan or inf): the trainer not
 MIN_TEMPERATURE = 0.01
 MAX_VLLM_TEMPERATURE = 2.0  # vLLM 0.33's SamplingParams refuse more
 # O1: the learning rates pre-flight accepts without a warning (the tiny test model takes 2e-2)
@@ -294,6 +275,20 @@ def reporters(text):
          f"report_to={text!r}: name loggers from {', '.join(REPORTERS)} (comma-separated), "
          "or 'all', or 'none'")
     return tuple(name for name in dict.fromkeys(names) if name != "none")
+
+
+def task_parts(task):
+    """D4: a mixture's tasks and weights, "math:0.7,countdown:0.3" -> {"math": 0.7, "countdown":
+    0.3}; one task (no ':') -> {task: 1.0}."""
+    out = {}
+    for name, value in (pairs("task", task) if ":" in task else {task: "1"}).items():
+        try:
+            out[name] = float(value)
+        except ValueError:
+            out[name] = -1.0
+        need(math.isfinite(out[name]) and out[name] > 0,
+             f"task={task!r}: {name}:{value}: a weight must be a positive number")
+    return out
 
 
 def reward_weights(text):
@@ -355,6 +350,8 @@ def coerce(name, value, default):
         return float(value)
     if want is tuple and isinstance(value, list):
         value = tuple(value)
+    if name == "task" and isinstance(value, dict):  # D4: {"math": 0.7, "countdown": 0.3}
+        value = ",".join(f"{k}:{w}" for k, w in value.items())
     if type(value) is not want:
         raise ConfigError(f"{name} must be {want.__name__} (default {default!r}), got {value!r}")
     item = type(default[0]) if want is tuple else None
@@ -428,10 +425,8 @@ def task_path(task):
 
 
 def declared_options(path):
-    """The settings the task file at `path` declares for itself, {name: default}: its OPTIONS, a
-    dict of literals. Read from the file's text, not imported: a task file is imported (and
-    configured) once, in pre-flight. {} for a file without OPTIONS, or one that is not there or
-    does not parse (episodes.task.load_task reports it; _unread says why)."""
+    """The task file's own settings, {name: default}: its OPTIONS, read from its text (a task file
+    is imported once, in pre-flight). {} without OPTIONS, or for a file absent or unparsable."""
     try:
         with open(path) as f:
             tree = ast.parse(f.read(), path)
@@ -461,7 +456,8 @@ def run_options(cfg):
     """The options a run may set, {name: default}: those of its task file and of its eval sets'
     (eval_tasks, M2); where two declare one name, the run's task's default."""
     options = {}
-    for spec in reversed([cfg.task, *filter(None, map(str.strip, cfg.eval_tasks.split(",")))]):
+    for spec in reversed([*task_parts(cfg.task),
+                          *filter(None, map(str.strip, cfg.eval_tasks.split(",")))]):
         options.update(declared_options(task_path(spec)))
     return options
 
@@ -625,6 +621,9 @@ def check_batch(cfg):
     dataset = cfg.task.endswith((".jsonl", ".parquet", ".csv")) or os.path.isdir(cfg.task)
     need(not (cfg.data_path and dataset), f"task={cfg.task!r} is a dataset and "
                                           f"data_path={cfg.data_path!r} another; set one of them")
+    need(len(task_parts(cfg.task)) == 1 or not (cfg.data_path or cfg.adv_per_component), "a task "
+         "mixture (D4) takes each dataset as a part (data/x.jsonl:0.5), not data_path, and its "
+         "tasks' components differ: leave adv_per_component off")
     need(not cfg.prompts_per_step % cfg.mini_batches,
          f"mini_batches={cfg.mini_batches} must divide the {cfg.prompts_per_step} prompts of a "
          "step (batch_size / group_size): each mini-batch takes whole groups")

@@ -57,7 +57,7 @@ from tqdm import tqdm
 
 from advantage import component_advantages, group_advantages, group_stats, informative_groups
 from config import ConfigError
-from episodes.task import multi_turn, score, split_reward
+from episodes.task import generate, mixture_metrics, multi_turn, score, split_reward
 from infra import log, parallel
 from infra.checkpoint import save_checkpoint
 from infra.log import Diverged, Logger, diverged, dump_samples, end_step, memory_gb, timed
@@ -100,11 +100,10 @@ def generate_and_score(engine, train, idx, seeds, cfg, temperature):
     # the task's STOP ends a completion at its answer (kept in it): a base model does not sample
     # to max_completion_len past it and train on that with the answer's advantage
     try:
-        groups = engine.generate(prompts, cfg.group_size, seeds=seeds, temperature=temperature,
-                                 top_p=cfg.top_p, top_k=cfg.top_k,
-                                 max_tokens=cfg.max_completion_len, stop=train.task.stop or None,
-                                 progress=sys.stdout.isatty(),  # a progress bar on a terminal
-                                 task=train.task, problems=[train.problems[i] for i in idx])
+        groups = generate(engine, train.task, prompts, [train.problems[i] for i in idx],
+                          cfg.group_size, seeds, temperature=temperature, top_p=cfg.top_p,
+                          top_k=cfg.top_k, max_tokens=cfg.max_completion_len,
+                          progress=sys.stdout.isatty())  # a progress bar on a terminal
     except FloatingPointError as e:  # the HF engine's logits (rollout.sample_next)
         raise diverged(cfg, str(e)) from None
     # cheap, and a silent mix-up would be costly
@@ -612,7 +611,7 @@ def train_step(run, step):
     stats = group_stats(drawn.rewards, G, correct=drawn.components.get("correct"))
     metrics = log.rollout_metrics(step, drawn, stats, batch, rounds, state.beta, temperature,
                                   cfg, multi_turn(cfg, run.train.task))
-    metrics.update({**times, **memory, **evals})
+    metrics.update({**times, **memory, **evals, **mixture_metrics(run.train, drawn, G)})
     if parallel.all_sum(len(batch)) == 0:  # R7's filter dropped every group: nothing to train
         if cfg.dynamic_sampling_rounds:  # without refills a step like this is no surprise
             print(f"step {step}: no group with a reward spread after {rounds} refill rounds; "

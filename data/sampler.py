@@ -93,3 +93,47 @@ class CurriculumSampler:
     def load_state_dict(self, state):
         self.calls = state["calls"]
         self.pass_rate = {int(i): r for i, r in state["pass_rate"].items()}
+
+
+class MixtureSampler:
+    """D4: a task mixture's prompts, each task's share of every batch by its weight.
+
+    The problems are the tasks' one after another (sizes); each task has a sampler of its own over
+    its problems (shuffled epochs or the curriculum, as above). Which task a prompt slot goes to is
+    decided by quota, not by chance: the next slot goes to the task furthest below its share of
+    the slots so far, (slots + 1) x weight / total - its count (ties: the first listed). So every
+    prefix of the run holds each task to within one prompt of its weight (0.7/0.3, 8 prompts a
+    step: 6 + 2, then 5 + 3, ...), and a resumed run, restoring the counts, draws the same prompts.
+    """
+
+    def __init__(self, samplers, sizes, weights):
+        self.samplers, self.weights = samplers, [float(w) for w in weights]
+        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.counts = [0] * len(samplers)  # prompt slots each task has had
+
+    def sample(self, k, step=None):
+        """The next k prompt indices (into the tasks' problems one after another)."""
+        total, picks = sum(self.weights), []
+        for _ in range(k):
+            slots = sum(self.counts) + 1
+            deficit = [slots * w / total - c for w, c in zip(self.weights, self.counts)]
+            part = deficit.index(max(deficit))
+            self.counts[part] += 1
+            picks.append(part)
+        drawn = [iter(s.sample(picks.count(i), step)) for i, s in enumerate(self.samplers)]
+        # a curriculum gives fewer than asked only when a task has fewer prompts than that
+        return [self.starts[i] + j for i in picks for j in [next(drawn[i], None)] if j is not None]
+
+    def update(self, ids, pass_rates):
+        """The curriculum's (D2) pass rates, each to the sampler of its prompt's task."""
+        for i, rate in zip(ids, pass_rates):
+            part = max(p for p, start in enumerate(self.starts) if start <= i)
+            self.samplers[part].update([i - self.starts[part]], [rate])
+
+    def state_dict(self):
+        return {"counts": list(self.counts), "parts": [s.state_dict() for s in self.samplers]}
+
+    def load_state_dict(self, state):
+        self.counts = list(state["counts"])
+        for s, part in zip(self.samplers, state["parts"]):
+            s.load_state_dict(part)

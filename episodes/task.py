@@ -77,6 +77,7 @@ before a run
 trusts it; `--replay` re-scores a run's samples (run/audit.py).
 """
 
+import copy
 import dataclasses
 import functools
 import importlib.util
@@ -87,7 +88,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from config import Config, ConfigError, builtin_tasks, task_path
+import torch
+
+from config import Config, ConfigError, builtin_tasks, task_parts, task_path
 from data.files import is_data_path, load_rows
 from episodes.tools import TRLEnvironments
 from episodes.tools import python as run_code_tool
@@ -161,8 +164,9 @@ def import_file(path):
 
 
 def load_task(cfg):
-    """Import the task file, check it defines what the run needs,
-    call its configure(cfg). Fails in pre-flight."""
+    """Import the task file, check what the run needs, call its configure(cfg); D4: each task's"""
+    if ":" in cfg.task:
+        return load_mixture(cfg)
     path = task_file(cfg)
     module = import_file(path)
     data_path = cfg.data_path or (cfg.task if is_data_path(cfg.task) else "")
@@ -331,6 +335,8 @@ def load_problems(cfg, task, split):
     """The problems of `split` ("train" or "test"): the task's problems(), or rows of data_path.
     "eval", an eval_tasks set: a dataset's every test row (a file of its own: every row), else the
     task's test split."""
+    if isinstance(task, Mixture):  # D4: each task's problems, one task's after another's
+        return task.own([load_problems(part.cfg, part.task, split) for part in task.parts])
     n = cfg.train_size if split == "train" else cfg.test_size
     if split == "eval" and task.problems is not None:
         split = "test"
@@ -410,8 +416,9 @@ def tokenize_prompts(tokenizer, task, problems, max_prompt_len):
     longest = max(map(len, tokenizer.get_vocab()))
     out = []
     for problem in problems:
-        p = task.prompt(problem)
-        text = render(tokenizer, task, p, problem)
+        own = task_of(task, problem)  # a mixture's (D4): the problem's own task
+        p = own.prompt(problem)
+        text = render(tokenizer, own, p, problem)
         if len(text) > 4 * (max_prompt_len + 1) * longest:
             raise ConfigError(f"prompt {problem['id']} has {len(text)} characters, more than "
                               f"max_prompt_len={max_prompt_len} tokens can hold; shorten it")
@@ -440,6 +447,8 @@ def score(task, texts, problems, lengths, cfg, completion_ids=None, env_rewards=
     shaping (W2, W3). completion_ids: their sampled token ids, for TRL's reward functions.
     env_rewards: each episode's rewards from its environment (Completion.env_rewards), added to the
     reward's components; a failed episode (a string saying why) scores 0 as a failed reward does."""
+    if isinstance(task, Mixture):  # D4: each task's completions by its own reward
+        return score_parts(task, texts, problems, lengths, cfg, completion_ids, env_rewards)
     # the reward sees the answer as the model's whole turn
     seen = [task.completion_prefix + t for t in texts]
     results = task_rewards(task, seen, problems, cfg.reward_timeout, cfg.reward_workers,
@@ -460,6 +469,147 @@ def split_reward(task, cfg, rewards, components):
     terms, w, _ = reward_terms(rewards, components,
                                {**weights, "length_reward": cfg.length_reward})
     return terms, w
+
+
+# ---------------------------------------------------------------- a task mixture (D4)
+
+
+@dataclass
+class Part:
+    """One task of a mixture: its name (as eval_tasks names a set), weight, Task, and the run's
+    settings with it as their task (what load_problems reads)."""
+
+    name: str
+    weight: float
+    task: Task
+    cfg: object
+
+
+@dataclass
+class Mixture:
+    """D4: tasks trained together, `task=math:0.7,countdown:0.3` (as nanochat's TaskMixture, with
+    weights: data.sampler.MixtureSampler). Each keeps its own prompt, reward, STOP and options.
+    The problems stay as their tasks make them (a task may read its ids); the mixture knows whose
+    each problem object is (own), and takes it to its task wherever the run meets it: the prompts
+    (tokenize_prompts), the sampling (generate, a call per task), the reward (score), the evals
+    (run.evals: per task, then overall)."""
+
+    where: str
+    parts: list
+    owners: dict = field(default_factory=dict)  # id(problem) -> (its part, the problem)
+
+    def own(self, problems):
+        """Each part's problems, [[problem]] in the parts' order, as one list; each known as its
+        part's."""
+        for part, theirs in zip(self.parts, problems):
+            self.owners.update({id(p): (part, p) for p in theirs})  # the problem kept: its id too
+        return [p for theirs in problems for p in theirs]
+
+    def part_of(self, problem):
+        found = self.owners.get(id(problem))
+        if found is None or found[1] is not problem:
+            raise KeyError(f"{self.where}: problem {problem.get('id')!r} is no task's: a mixture "
+                           "takes only the problem objects its load_problems made")
+        return found[0]
+
+    def prompt(self, problem):
+        return self.part_of(problem).task.prompt(problem)
+
+    @property
+    def episodic(self):
+        return any(part.task.episodic for part in self.parts)
+
+    def close(self):
+        for part in self.parts:
+            part.task.close()
+
+
+def load_mixture(cfg):
+    """D4: every task of `cfg.task`, each loaded as a run of it alone would load it (its OPTIONS
+    too); one that fails says which it is."""
+    parts = []
+    for spec, weight in task_parts(cfg.task).items():
+        name = os.path.splitext(os.path.basename(spec.rstrip("/")))[0]
+        if name in [part.name for part in parts]:
+            raise ConfigError(f"task={cfg.task!r}: two tasks named {name!r} (a task is named by "
+                              "its file or task); rename one of the files")
+        own = copy.copy(cfg)
+        own.task = spec
+        try:
+            parts.append(Part(name, weight, load_task(own), own))
+        except ValueError as e:  # a ConfigError, or a malformed row
+            raise ConfigError(f"task mixture {cfg.task!r}: its task {spec}: {e}") from None
+    return Mixture(f"task mixture {cfg.task}", parts)
+
+
+def task_of(task, problem):
+    """The task a problem is of: the task; in a mixture (D4), the problem's own."""
+    return task.part_of(problem).task if isinstance(task, Mixture) else task
+
+
+def by_task(task, problems):
+    """[(task, positions)]: the positions in `problems` of each task; one task's are all. A
+    mixture's (D4) every task, in order, with no position where none of the problems is its."""
+    if not isinstance(task, Mixture):
+        return [(task, list(range(len(problems))))]
+    names = [task.part_of(p).name for p in problems]
+    return [(part.task, [i for i, n in enumerate(names) if n == part.name]) for part in task.parts]
+
+
+def generate(engine, task, prompts, problems, n, seeds, **sampling):
+    """engine.generate with the task's STOP strings (and its episodes: task, problems). A mixture
+    (D4): each task's prompts in a call of their own, with its own; every task called on every
+    rank, though it has no prompt there (FSDP's HF engine generates in lockstep)."""
+    groups = [None] * len(prompts)
+    for own, at in by_task(task, problems):
+        out = engine.generate([prompts[i] for i in at], n,
+                              seeds=[seeds[i * n + j] for i in at for j in range(n)],
+                              stop=own.stop or None, task=own, problems=[problems[i] for i in at],
+                              **sampling)
+        for i, group in zip(at, out):
+            groups[i] = group
+    return groups
+
+
+def score_parts(task, texts, problems, lengths, cfg, completion_ids=None, env_rewards=None):
+    """score() of a mixture (D4): each task's completions by its own reward and weights; the
+    components of all of them, 0 where a completion's task has none of that name (as
+    rollout.Rollouts adds batches)."""
+    rewards, parts = torch.zeros(len(texts)), []
+    for own, at in by_task(task, problems):
+        if at:
+            def pick(xs, at=at):
+                return None if xs is None else [xs[i] for i in at]
+
+            r, comps = score(own, pick(texts), pick(problems), pick(lengths), cfg,
+                             pick(completion_ids), pick(env_rewards))
+            rewards[at] = r
+            parts.append((at, comps))
+    names = sorted({k for _, comps in parts for k in comps})
+    components = {k: torch.zeros(len(texts)) for k in names}
+    for at, comps in parts:
+        for k, v in comps.items():
+            components[k][at] = v
+    return rewards, components
+
+
+def mixture_metrics(train, drawn, group_size):
+    """D4: task/<name>/reward, /acc (the mean "correct", as "acc") and /prompts over a step's
+    drawn rollouts, each task of a mixture on its own; {} for one task."""
+    if not isinstance(train.task, Mixture):
+        return {}
+    names = [train.task.part_of(train.problems[i]).name for i in drawn.problem]
+    correct, out = drawn.components.get("correct"), {}
+    for part in train.task.parts:
+        rows = torch.tensor([n == part.name for n in names], dtype=torch.bool)
+        rewards = drawn.rewards[rows]
+        rewards = rewards[~rewards.isnan()]  # TRL's unscored completions left out, as in "reward"
+        key = f"task/{part.name}/"
+        out[key + "reward"] = rewards.mean().item() if len(rewards) else None
+        out[key + "acc"] = correct[rows].mean().item() if correct is not None and len(
+            rewards) else None
+        out[key + "prompts"] = int(rows.sum()) // group_size
+    return out
 
 
 if __name__ == "__main__":

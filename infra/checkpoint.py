@@ -35,6 +35,7 @@ from config import (
     pairs,
     reward_weights,
     run_options,
+    task_parts,
     task_path,
 )
 from infra import parallel
@@ -395,7 +396,8 @@ def changed_settings(cfg, saved):
                if k in saved and not same_value(k, saved[k], now[k])]
     # the task file's options, all the run's (an eval set's are free, as eval_tasks is)
     options, now_options = saved_task_options(saved, now["task_options"]), now["task_options"]
-    changed += [(k, options[k], now_options[k]) for k in declared_options(task_path(cfg.task))
+    declared = [k for spec in task_parts(cfg.task) for k in declared_options(task_path(spec))]
+    changed += [(k, options[k], now_options[k]) for k in declared
                 if k in options and k in now_options and options[k] != now_options[k]]
     for k in DELETED_RUN_SETTINGS:
         default, instead = DELETED[k]

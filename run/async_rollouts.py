@@ -299,7 +299,7 @@ def run_sampler(items, path, device, ring, tags, layout, conn, first, sampler_st
                                                               cfg.max_prompt_len))
                    for s in ("train", "test"))
     eval_sets = [test, *(eval_split(tokenizer, *found, cfg) for found in load_eval_tasks(cfg))]
-    sampler = make_sampler(cfg, len(train.problems))
+    sampler = make_sampler(cfg, task, train.problems)
     sampler.load_state_dict(sampler_state)
     slots, loaded = cfg.max_staleness + 1, -1
 

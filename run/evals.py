@@ -8,6 +8,7 @@ the estimators, the eval sets, eval_only's table.
 
 import collections
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import warnings
 import torch
 
 from config import ConfigError
-from episodes.task import load_problems, load_task, multi_turn, score
+from episodes.task import Mixture, by_task, load_problems, load_task, multi_turn, score
 from infra import log, parallel
 from model import push_weights_iter
 from rollout import row_seeds
@@ -75,10 +76,36 @@ def evaluate_all(engine, eval_sets, cfg, sampled=True):
     metrics, texts = {}, {}
     for split in eval_sets:
         try:
-            found, texts[split.name] = evaluate(engine, split, cfg, cfg.seed, sampled)
+            if isinstance(split.task, Mixture):  # D4: each task's test problems, then overall
+                found, texts[split.name] = evaluate_mixture(engine, split, cfg, sampled)
+            else:
+                found, texts[split.name] = evaluate(engine, split, cfg, cfg.seed, sampled)
         except FloatingPointError as e:  # the HF engine's logits (rollout.sample_next)
             raise log.diverged(cfg, f"eval: {e}") from None
         metrics.update(found)
+    return metrics, texts
+
+
+def evaluate_mixture(engine, test, cfg, sampled=True):
+    """D4: evaluate() on each task's test problems (eval/<task>/...), then each figure over all of
+    them (eval/...). Every figure is a mean over problems, so the overall one is the tasks' means
+    weighed by their numbers of problems; one that a task lacks (maj@n without answer()) is only
+    the tasks'. Returns (metrics, greedy completion texts in the set's order)."""
+    metrics, texts, means = {}, [None] * len(test.problems), collections.defaultdict(list)
+    for part, (own, at) in zip(test.task.parts, by_task(test.task, test.problems)):
+        name = f"{test.name}/{part.name}" if test.name else part.name
+        split = dataclasses.replace(test, task=own, problems=[test.problems[i] for i in at],
+                                    prompt_ids=[test.prompt_ids[i] for i in at], name=name)
+        found, greedy = evaluate(engine, split, cfg, cfg.seed, sampled)
+        metrics.update(found)
+        for i, text in zip(at, greedy):
+            texts[i] = text
+        for key, value in found.items():
+            means[key.removeprefix(f"eval/{name}/")].append((len(at), value))
+    prefix = f"eval/{test.name}/" if test.name else "eval/"
+    for key, pairs in means.items():
+        if len(pairs) == len(test.task.parts) and None not in [v for _, v in pairs]:
+            metrics[prefix + key] = sum(n * v for n, v in pairs) / sum(n for n, _ in pairs)
     return metrics, texts
 
 

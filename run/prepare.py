@@ -16,8 +16,8 @@ import torch
 import transformers
 
 from config import ConfigError, config_from_argv
-from data.sampler import CurriculumSampler, PromptSampler
-from episodes.task import load_problems, load_task, tokenize_prompts
+from data.sampler import CurriculumSampler, MixtureSampler, PromptSampler
+from episodes.task import Mixture, by_task, load_problems, load_task, tokenize_prompts
 from episodes.tools import TextTools
 from episodes.turns import EpisodeEngine
 from infra import parallel
@@ -84,7 +84,7 @@ def start_run(argv):
     # object: FSDP2 shards it in place); the gradient passes go through it, the no-grad ones not
     tokenizer, policy, train_model, ref, params, optimizer = build_models(cfg, path, device,
                                                                           resume_from)
-    prompt_sampler = make_sampler(cfg, len(train_problems))  # the prompts of each step (D2, D3)
+    prompt_sampler = make_sampler(cfg, task, train_problems)  # the prompts of each step (D2-D4)
     train = Split(task, train_problems,
                   tokenize_prompts(tokenizer, task, train_problems, cfg.max_prompt_len))
     test = Split(task, test_problems,
@@ -122,8 +122,11 @@ def prepare_run(argv):
         problems = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
     except ValueError as e:  # a malformed dataset row (DataError), or too few distinct problems
         raise ConfigError(str(e)) from e
-    check_sandbox(cfg, task, problems[0] + problems[1])  # the model's code runs only sandboxed
-    check_task_output(task, problems[0], cfg)  # prompt() and reward() give what a run needs
+    every = problems[0] + problems[1]
+    for own, at in by_task(task, every):  # a task mixture (D4): each task on its own problems
+        check_sandbox(cfg, own, [every[i] for i in at])  # the model's code runs only sandboxed
+        # prompt() and reward() give what a run needs
+        check_task_output(own, [every[i] for i in at if i < len(problems[0])], cfg)
     eval_tasks = load_eval_tasks(cfg)  # each checked as the training task is
     resume_from = claim_out_dir(cfg, rank)  # a second run, another run's files, changed settings
     with parallel.local_rank0_first():  # one rank per machine builds or converts the model folder
@@ -191,11 +194,18 @@ def load_teacher(cfg, device, tokenizer):
     return parallel.wrap(teacher, cfg.parallel, cfg.dtype, trainable=False)
 
 
-def make_sampler(cfg, num_prompts):
-    """D2's curriculum, or D3's shuffled epochs."""
+def make_sampler(cfg, task, problems, seed=None):
+    """D2's curriculum, or D3's shuffled epochs; a task mixture's (D4) one of them per task, each
+    task's share of a batch by its weight."""
+    if isinstance(task, Mixture):
+        sizes = [len(at) for _, at in by_task(task, problems)]
+        return MixtureSampler([make_sampler(cfg, None, range(size), f"{cfg.seed}:{part.name}")
+                               for part, size in zip(task.parts, sizes)],
+                              sizes, [part.weight for part in task.parts])
+    seed = cfg.seed if seed is None else seed
     if cfg.curriculum:
-        return CurriculumSampler(num_prompts, cfg.seed, ramp_steps=cfg.curriculum_ramp_steps)
-    return PromptSampler(num_prompts, cfg.seed)
+        return CurriculumSampler(len(problems), seed, ramp_steps=cfg.curriculum_ramp_steps)
+    return PromptSampler(len(problems), seed)
 
 
 def make_engine(cfg, path, device, policy, tokenizer, task=None):

@@ -445,7 +445,7 @@ def test_the_bands_reach_their_users_in_order():
     assert state.beta == pytest.approx(0.008)
     grpo.adapt_beta(state, 0.2, cfg)  # above 0.1: x 1.2
     assert state.beta == pytest.approx(0.0096)
-    sampler = prepare.make_sampler(cfg, 10)
+    sampler = prepare.make_sampler(cfg, None, range(10))
     # each prompt's first rate starts its moving average; the edges 0.2 and 0.8 are medium
     sampler.update([0, 1, 2, 3, 4], [0.19, 0.2, 0.5, 0.8, 0.81])
     # hard, medium x3, easy; prompt 5 never seen: medium
