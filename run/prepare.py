@@ -18,7 +18,7 @@ import transformers
 from config import ConfigError, config_from_argv
 from data.sampler import CurriculumSampler, MixtureSampler, PromptSampler
 from episodes.task import Mixture, by_task, load_problems, load_task, tokenize_prompts
-from episodes.tools import TextTools
+from episodes.tools import TextTools, parser_class
 from episodes.turns import EpisodeEngine
 from infra import parallel
 from infra.checkpoint import TrainState, claim_out_dir, load_checkpoint, save_config
@@ -118,6 +118,8 @@ def prepare_run(argv):
         check_model_source(cfg.model)
     preflight(cfg)
     task = load_task(cfg)  # a task file that lacks a function fails here
+    if cfg.tool_parser:  # a parser vLLM lacks fails here too
+        parser_class(cfg.tool_parser)
     try:
         problems = load_problems(cfg, task, "train"), load_problems(cfg, task, "test")
     except ValueError as e:  # a malformed dataset row (DataError), or too few distinct problems
@@ -228,5 +230,5 @@ def make_engine(cfg, path, device, policy, tokenizer, task=None):
         text_tools = TextTools(run, cfg.max_tool_calls, cfg.tool_tags)
     if text_tools or (task is not None and task.episodic):  # rollouts in turns (episodes/turns.py)
         engine = EpisodeEngine(engine, tokenizer, cfg.max_turns, cfg.tool_timeout, cfg.env_reward,
-                               text_tools, cfg.tool_output_chars)
+                               text_tools, cfg.tool_output_chars, cfg.tool_parser)
     return engine, name
