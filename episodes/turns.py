@@ -123,9 +123,12 @@ class EpisodeEngine:
                 stop=[*(stop or []), pause] if pause and not last else stop or None,
                 progress=progress, **sampling)
             going = []
+            # the first turn begins with the task's COMPLETION_PREFIX (the prompt wrote it): the
+            # environment reads the model's whole turn, as the reward does
+            prefix = task.completion_prefix if task is not None and turn == 0 else ""
             for r, [out] in zip(live, outs):
                 if self.answer(rows[r], envs[r], out, chat[r // n], max_tokens, timeout,
-                               sampled=sampling["temperature"] > 0, last=last):
+                               sampled=sampling["temperature"] > 0, last=last, prefix=prefix):
                     going.append(r)
             live = going
         for row, env in zip(rows, envs):
@@ -133,15 +136,15 @@ class EpisodeEngine:
             row.text = self.tokenizer.decode(row.completion_ids, skip_special_tokens=True)
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def answer(self, row, env, out, chat, max_tokens, timeout, sampled, last):
-        """The model's turn `out` appended to `row`, and the environment's answer to it if the
-        episode goes on: whether the model takes another turn."""
+    def answer(self, row, env, out, chat, max_tokens, timeout, sampled, last, prefix=""):
+        """The model's turn `out` appended to `row`, and the environment's answer to it (the turn
+        read as prefix + its text) if the episode goes on: whether the model takes another turn."""
         append(row, out.completion_ids, out.logprobs, model=True)
         row.truncated = out.truncated
         inline = getattr(env, "inline", False)
         if inline and out.stop_string != env.pause:  # no call: the model has answered
             return False
-        action = self.tokenizer.decode(out.completion_ids, skip_special_tokens=True)
+        action = prefix + self.tokenizer.decode(out.completion_ids, skip_special_tokens=True)
         observation, done = step(row, env, action, timeout, self.combine)
         if done or row.truncated or last:
             return False
