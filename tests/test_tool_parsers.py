@@ -167,3 +167,23 @@ def test_without_vllm_hermes_is_parsed_here_and_other_formats_say_what_to_instal
     assert parse_tool_calls(FORMATS["hermes"][1][0]) == TWO  # the same format, the same calls
     with pytest.raises(ConfigError, match="pip install vllm"):
         tool_parser("pythonic", tokenizer, [add])
+
+
+def test_the_multiply_call_task_pays_the_number_after_the_tools_result(tokenizer):
+    """tasks/multiply_call.py: its reward judges the model's number after the last result."""
+    from config import load_config
+    from episodes.task import load_problems, load_task, score
+
+    cfg = load_config(None, ["--model=tiny", "--task=multiply_call", "--train_size=3"])
+    task = load_task(cfg)
+    assert task.tools and task.completion_prefix == "<tool_call>\n"
+    p = load_problems(cfg, task, "train")[0]
+    call = f'{{"name": "multiply", "arguments": {{"a": {p["a"]}, "b": {p["b"]}}}}}\n</tool_call>'
+    result = f"\nuser\n<tool_response>\n{p['answer']}\n</tool_response>\nassistant\n"
+    texts = [f"{call}{result}The answer is {p['answer']}.",  # right, after the result
+             f"{call}{result}The answer is 7.",  # the result read, a wrong answer
+             f"{call}\nuser\n<tool_response>\n{p['answer']}"]  # the tool's number only
+    _, comps = score(task, texts, [p] * 3, [10] * 3, cfg)
+    assert comps["correct"].tolist() == [1.0, 0.0, 0.0]
+    assert comps["called"].tolist() == [1.0, 1.0, 0.0]
+    assert task.tools[0](a=p["a"], b=p["b"]) == p["answer"]
