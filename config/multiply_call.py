@@ -10,7 +10,7 @@ eval_every = 5
 
 max_turns = 2  # the call, then the answer after its result
 max_prompt_len = 512  # the tool's schema and the worked exchange
-max_completion_len = 96  # the model's tokens and the tool's together: the call, its result, the answer
+max_completion_len = 96  # the model's and the tool's tokens: the call, its result, the answer
 group_size = 8
 batch_size = 64  # 8 prompts x 8
 unparsed_penalty = 0.0  # the reward is correctness alone

@@ -472,7 +472,8 @@ def data_files(tmp_path):
 
 BUILTIN_AUDITS = {"countdown": [], "countdown_base": [], "digits": [], "larger": [], "multiply": [],
                   "math": [], "code": [], "gsm8k": None, "dataset": None,
-                  "reasoning_gym": ["--rg_dataset=leg_counting"], "guess": [], "calculator": []}
+                  "reasoning_gym": ["--rg_dataset=leg_counting"], "guess": [], "calculator": [],
+                  "multiply_call": []}
 
 
 @pytest.mark.parametrize("name", BUILTIN_AUDITS)
