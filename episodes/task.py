@@ -170,6 +170,10 @@ def load_task(cfg):
     path = task_file(cfg)
     module = import_file(path)
     data_path = cfg.data_path or (cfg.task if is_data_path(cfg.task) else "")
+    # its OPTIONS' defaults where cfg was not made by load_config (which sets them all)
+    cfg.task_options = {**getattr(module, "OPTIONS", {}), **cfg.task_options}
+    if hasattr(module, "configure"):  # first: it may make the environment (tasks/openenv.py)
+        module.configure(cfg)
     trl = hasattr(module, "reward_funcs")
     environment = getattr(module, "environment", None)
     factory = getattr(module, "environment_factory", None)  # a TRL environment class
@@ -198,10 +202,6 @@ def load_task(cfg):
         if not binds(getattr(module, name), signature.count(",") + 1):
             raise ConfigError(f"task file {path}: {name}{inspect.signature(getattr(module, name))} "
                               f"cannot be called as {signature}")
-    # its OPTIONS' defaults where cfg was not made by load_config (which sets them all)
-    cfg.task_options = {**getattr(module, "OPTIONS", {}), **cfg.task_options}
-    if hasattr(module, "configure"):
-        module.configure(cfg)
     extras = {"completion_prefix": getattr(module, "COMPLETION_PREFIX", ""),
               "weights": getattr(module, "WEIGHTS", {}),
               "columns": getattr(module, "COLUMNS", {}), "check": getattr(module, "check", None),
@@ -379,7 +379,9 @@ def render(tokenizer, task, p, problem=None):
     the template lists them."""
     if task.environment is not None and problem is not None:
         try:
-            added = task.environment(problem).reset()
+            env = task.environment(problem)
+            added = env.reset()
+            getattr(env, "close", lambda: None)()  # an OpenEnv session is freed at once
         except Exception as e:
             raise ConfigError(f"{task.where}: environment(problem {problem.get('id')!r}).reset() "
                               f"raised {type(e).__name__}: {e}") from e

@@ -11,6 +11,8 @@ the task file gives it, or the tool turns do (episodes/tools.py):
                        message), a list of chat messages, or None; reward: a float (the component
                        "env") or a dict of named floats, as reward() returns ("correct" makes
                        the accuracy); done: the episode is over
+            close()    optional: called once the episode ends, to let go what it holds
+                       (an OpenEnv server's session: episodes/openenv.py)
 
     TOOLS = [get_weather, python]  plain functions, their docstrings the schema (as TRL's
                                    tools=[fn]): tools.ToolCalls is their environment;
@@ -97,6 +99,11 @@ class EpisodeEngine:
                  progress=False, **sampling):
         """n episodes per prompt, as the engines' generate (seeds: one per row); task: the one the
         prompts are of; problems: one per prompt, each row's environment made from its own."""
+        sessions = getattr(getattr(task, "environment", None), "sessions", None)
+        if sessions and len(prompts) * n > sessions:  # an OpenEnv server's sessions at once
+            return self.in_chunks(max(1, sessions // n), prompts, n, seeds=seeds, task=task,
+                                  problems=problems, max_tokens=max_tokens, stop=stop,
+                                  progress=progress, **sampling)
         episodes = self.episodes(task)
         if episodes is None:
             return self.engine.generate(prompts, n, seeds=seeds, max_tokens=max_tokens, stop=stop,
@@ -133,8 +140,20 @@ class EpisodeEngine:
             live = going
         for row, env in zip(rows, envs):
             row.tool_errors += getattr(env, "errors", 0)  # the tool calls that failed
+            getattr(env, "close", lambda: None)()  # what it holds (an OpenEnv session) let go
             row.text = self.tokenizer.decode(row.completion_ids, skip_special_tokens=True)
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def in_chunks(self, per, prompts, n, *, seeds, problems, **kwargs):
+        """generate(), `per` prompts at a time; every rank runs as many chunks (FSDP's HF engine
+        generates in lockstep), the rows' seeds their own as in one call."""
+        problems = problems or [None] * len(prompts)
+        out = []
+        for c in range(parallel.all_max(-(-len(prompts) // per))):
+            at = slice(c * per, (c + 1) * per)
+            out += self.generate(prompts[at], n, seeds=seeds[at.start * n : at.stop * n],
+                                 problems=problems[at], **kwargs)
+        return out
 
     def answer(self, row, env, out, chat, max_tokens, timeout, sampled, last, prefix=""):
         """The model's turn `out` appended to `row`, and the environment's answer to it (the turn
@@ -238,6 +257,7 @@ def first_turn(make_env, problem, action, timeout):
     env = start(row, make_env, problem, timeout)
     if alive(row):
         step(row, env, action, timeout, "sum")
+    getattr(env, "close", lambda: None)()
     return row.env_rewards
 
 

@@ -86,8 +86,8 @@ def test_builtin_tasks_are_task_files(tokenizer):
     # environments (episodes/turns.py): a known last turn of the model's
     episodes = {"guess": lambda p: str(p["secret"]),
                 "calculator": lambda p: f"answer: {p['a'] * p['b']}"}
-    # multiply_call (TOOLS): tests/test_tool_parsers.py
-    assert set(known) | set(episodes) | {"dataset", "gsm8k", "larger", "multiply_call",
+    # multiply_call (TOOLS): tests/test_tool_parsers.py; openenv (a server's): tests/test_openenv.py
+    assert set(known) | set(episodes) | {"dataset", "gsm8k", "larger", "multiply_call", "openenv",
                                          "reasoning_gym"} == set(task_module.builtin_tasks())
     for name, answer in episodes.items():
         cfg, task = setup(f"--task={name}", "--train_size=12", "--test_size=4")
