@@ -1,12 +1,14 @@
-"""Multiplication a small model cannot do in its head, with a plain Python function as its tool.
+"""Multiplication a small model cannot do in its head, with plain Python functions as its tools.
 
     python grpo.py --config config/multiply_call.py
 
-The TOOLS task: `multiply` below is the tool, its type hints and docstring its schema, which the
-chat template lists in the system turn (config/tools_chatml.jinja for SmolLM2, whose own template
-renders no tools). The model calls it as <tool_call>{"name": "multiply", "arguments": {...}}
-</tool_call> (vLLM's hermes parser reads it), the result comes back as a tool message, and the
-reward judges the number the model writes after the last result: the call is the way to it.
+The TOOLS task: `add` and `multiply` below are the tools, their type hints and docstrings their
+schemas, which the chat template lists in the system turn (config/tools_chatml.jinja for SmolLM2,
+whose own template renders no tools). The model calls one as <tool_call>{"name": "multiply",
+"arguments": {...}}</tool_call> (vLLM's hermes parser reads it), the result comes back as a tool
+message, and the reward judges the number the model writes after the last result: the right call
+is the way to it. The prompt's one worked exchange adds, so the base model, greedy, calls `add`
+for a product too (pass@1 0.03): what it learns is to pick the tool the question needs.
 """
 
 import random
@@ -14,12 +16,11 @@ import random
 from data.split import in_split
 from rewards import after_tool_outputs
 
-PROMPT = ("What is {a} * {b}? Call the multiply tool, then end with \"The answer is\" and the "
-          "number.")
-# the model's turn opens with the call's tag, written by the prompt (a 135M model given the schema
-# and a worked exchange still writes a <tool_response> of its own more often than a call); the
-# call itself, its name and arguments, and the answer after its result are the model's
-COMPLETION_PREFIX = "<tool_call>\n"
+PROMPT = ("What is {a} {op} {b}? Call a tool, then end with \"The answer is\" and the number.")
+# the model's turn opens with the call, up to the tool's name, written by the prompt (a 135M model
+# given the schemas and a worked exchange writes a <tool_response> of its own, never a call); the
+# tool's name, its arguments, and the answer after its result are the model's
+COMPLETION_PREFIX = '<tool_call>\n{"name": "'
 
 
 def multiply(a: int, b: int) -> int:
@@ -32,7 +33,17 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-TOOLS = [multiply]
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first term
+        b: the second term
+    """
+    return a + b
+
+
+TOOLS = [add, multiply]
 
 
 def problems(split, n, seed):
@@ -44,19 +55,20 @@ def problems(split, n, seed):
     return list(out.values())
 
 
-# one worked exchange first, as the default run's prompt has one; its numbers are no problem's
-# (a's are 100..999, b's 10..99)
+# one worked exchange first, as the default run's prompt has one: a sum, with `add`; its numbers
+# are no problem's (a's are 100..999, b's 10..99)
 EXAMPLE = [
-    {"role": "user", "content": PROMPT.format(a=1234, b=5)},
+    {"role": "user", "content": PROMPT.format(a=1234, op="+", b=5)},
     {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 1234, "b": 5}}}]},
-    {"role": "tool", "name": "multiply", "content": "6170"},
-    {"role": "assistant", "content": "The answer is 6170."},
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1234, "b": 5}}}]},
+    {"role": "tool", "name": "add", "content": "1239"},
+    {"role": "assistant", "content": "The answer is 1239."},
 ]
 
 
 def prompt(problem):
-    return [*EXAMPLE, {"role": "user", "content": PROMPT.format(a=problem["a"], b=problem["b"])}]
+    question = PROMPT.format(a=problem["a"], op="*", b=problem["b"])
+    return [*EXAMPLE, {"role": "user", "content": question}]
 
 
 def reward(completion, problem):

@@ -176,9 +176,11 @@ def test_the_multiply_call_task_pays_the_number_after_the_tools_result(tokenizer
 
     cfg = load_config(None, ["--model=tiny", "--task=multiply_call", "--train_size=3"])
     task = load_task(cfg)
-    assert task.tools and task.completion_prefix == "<tool_call>\n"
+    # the prompt writes the call up to the tool's name; the model names the tool
+    assert [t.__name__ for t in task.tools] == ["add", "multiply"]
+    assert task.completion_prefix == '<tool_call>\n{"name": "'
     p = load_problems(cfg, task, "train")[0]
-    call = f'{{"name": "multiply", "arguments": {{"a": {p["a"]}, "b": {p["b"]}}}}}\n</tool_call>'
+    call = f'multiply", "arguments": {{"a": {p["a"]}, "b": {p["b"]}}}}}\n</tool_call>'
     result = f"\nuser\n<tool_response>\n{p['answer']}\n</tool_response>\nassistant\n"
     texts = [f"{call}{result}The answer is {p['answer']}.",  # right, after the result
              f"{call}{result}The answer is 7.",  # the result read, a wrong answer
@@ -186,4 +188,4 @@ def test_the_multiply_call_task_pays_the_number_after_the_tools_result(tokenizer
     _, comps = score(task, texts, [p] * 3, [10] * 3, cfg)
     assert comps["correct"].tolist() == [1.0, 0.0, 0.0]
     assert comps["called"].tolist() == [1.0, 1.0, 0.0]
-    assert task.tools[0](a=p["a"], b=p["b"]) == p["answer"]
+    assert task.tools[1](a=p["a"], b=p["b"]) == p["answer"] != task.tools[0](a=p["a"], b=p["b"])
