@@ -140,7 +140,7 @@ class EpisodeEngine:
             live = going
         for row, env in zip(rows, envs):
             row.tool_errors += getattr(env, "errors", 0)  # the tool calls that failed
-            getattr(env, "close", lambda: None)()  # what it holds (an OpenEnv session) let go
+            close(env, timeout)  # what it holds (an OpenEnv session) let go
             row.text = self.tokenizer.decode(row.completion_ids, skip_special_tokens=True)
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -257,8 +257,22 @@ def first_turn(make_env, problem, action, timeout):
     env = start(row, make_env, problem, timeout)
     if alive(row):
         step(row, env, action, timeout, "sum")
-    getattr(env, "close", lambda: None)()
+    close(env, timeout)
     return row.env_rewards
+
+
+def close(env, timeout):
+    """env.close(), where it has one, under the deadline: the episode is over and scored, so a
+    close that fails is printed (once), not counted."""
+    if not callable(getattr(env, "close", None)):
+        return
+    try:
+        env.close() if timeout is None else within(timeout, env.close)
+    except (Exception, OutOfTime):
+        if "close" not in REPORTED:
+            REPORTED.add("close")
+            print("warning: an environment's close() failed (printed once; the episode was "
+                  f"scored):\n{traceback.format_exc()}", file=sys.stderr)
 
 
 def call(row, timeout, fn, *args):

@@ -226,6 +226,22 @@ def test_an_environment_that_cannot_be_made_fails_its_rows_only(tokenizer):
         tokenize_prompts(tokenizer, task_with(broken), [{"id": "0"}], 64)
 
 
+def test_each_episode_is_closed_once_and_a_close_that_fails_loses_nothing(tokenizer, capsys):
+    """close(), where an environment has one, is called once its episode ends (an OpenEnv session
+    let go); one that raises is printed, and the episode keeps its score."""
+    closed = []
+
+    class Closing(Counter):
+        def close(self):
+            closed.append(self.n)
+            if len(closed) == 2:
+                raise OSError("the connection is gone")
+
+    rows, _ = episodes(tokenizer, task_with(Closing), [[f"a{EOS}"] * 3, [f"b{EOS}"] * 3])
+    assert closed == [3, 3] and [r.env_rewards["correct"] for r in rows] == [1.0, 1.0]
+    assert "close() failed" in capsys.readouterr().err and rows[1].tool_errors == 0
+
+
 class Told(Counter):
     def __init__(self, problem):
         super().__init__(problem)
