@@ -1,7 +1,9 @@
-# A TOOLS task: SmolLM2-135M-Instruct calls a plain Python function through its chat template.
+# A TOOLS task: SmolLM2-135M-Instruct calls plain Python functions through its chat template.
 #   python grpo.py --config config/multiply_call.py
-# tasks/multiply_call.py: multiply(a, b) is the tool; config/tools_chatml.jinja lists it for
-# SmolLM2 (its own template renders no tools), Hermes-style; vLLM's hermes parser reads the calls.
+# CPU, about 5 minutes: greedy pass@1 0.03 -> 0.93-0.97 in 5 updates (README).
+# tasks/multiply_call.py: add(a, b) and multiply(a, b) are the tools; config/tools_chatml.jinja
+# lists them for SmolLM2 (its own template renders no tools), Hermes-style; vLLM's hermes parser
+# reads the calls.
 task = "multiply_call"
 chat_template = "config/tools_chatml.jinja"
 out_dir = "out/multiply_call"

@@ -16,7 +16,7 @@ import random
 from data.split import in_split
 from rewards import after_tool_outputs
 
-PROMPT = ("What is {a} {op} {b}? Call a tool, then end with \"The answer is\" and the number.")
+PROMPT = "What is {a} {op} {b}? Call a tool, then end with \"The answer is\" and the number."
 # the model's turn opens with the call, up to the tool's name, written by the prompt (a 135M model
 # given the schemas and a worked exchange writes a <tool_response> of its own, never a call); the
 # tool's name, its arguments, and the answer after its result are the model's

@@ -21,7 +21,7 @@ from rollout import Completion  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# a server that answers each step after `DELAY` seconds: slow past a short tool_timeout
+# a server that answers each step after 3 seconds: slow past a short tool_timeout
 SLOW = """
 import sys, time, uvicorn
 from episodes import guess_server
@@ -129,14 +129,15 @@ def test_the_server_is_asked_its_schema_and_sessions_and_an_episode_plays_as_it_
     low = 1 if secret != 1 else 2
     row, said = play(server, {"seed": 7}, [str(low), "x", str(secret), "5"])
     # a miss 0.1, a malformed guess 0, the find 1 + 0.1 for the one guess it did not need
-    assert said[-1] == ("Right.", True) and len(said) == 3
+    assert said[-1] == ("", True) and len(said) == 3  # the game says nothing once it is over
     assert row.env_rewards == {"env": pytest.approx(0.1 + 0 + 1.1)}
     assert said[0][0] == ("Higher." if secret > low else "Lower.")
     # each session its own game: the same seed, the same secret, in two sessions at once
     a, b = server({"seed": 7}), server({"seed": 7})
     assert a.reset() == b.reset()
     assert a.step(str(secret))[1:] == b.step(str(secret))[1:] == (pytest.approx(1.3), True)
-    a.close(), b.close()
+    a.close()
+    b.close()
 
 
 def test_the_task_sums_the_servers_rewards_and_counts_the_solved(guess):
